@@ -1,0 +1,76 @@
+"""Engine settings as dataclasses, each validated once at construction."""
+from dataclasses import dataclass, field
+
+
+def _fail(cls, name, value, why):
+    raise ValueError(f"{cls}.{name}={value!r}: {why}")
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache: block size and how many blocks the pool holds."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None          # explicit pool size, wins over the byte budgets
+    kv_cache_memory_bytes: int | None = None  # explicit byte budget for the pool
+    memory_utilization: float = 0.9           # share of device memory (after weights) for the pool
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"        # or "swap"
+    swap_space_bytes: int = 4 << 30
+    cpu_default_bytes: int = 4 << 30          # pool budget where devices report no memory (CPU)
+
+    def __post_init__(self):
+        bs = self.block_size
+        if not (isinstance(bs, int) and 1 <= bs <= 256 and bs & (bs - 1) == 0):
+            _fail("CacheConfig", "block_size", bs, "must be a power of two from 1 to 256")
+        if self.num_kv_blocks is not None and not (isinstance(self.num_kv_blocks, int) and self.num_kv_blocks >= 1):
+            _fail("CacheConfig", "num_kv_blocks", self.num_kv_blocks, "must be an integer >= 1")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            _fail("CacheConfig", "kv_cache_memory_bytes", self.kv_cache_memory_bytes, "must be > 0")
+        if not 0 < self.memory_utilization <= 1:
+            _fail("CacheConfig", "memory_utilization", self.memory_utilization, "must be in (0, 1]")
+        if self.preemption_mode not in ("recompute", "swap"):
+            _fail("CacheConfig", "preemption_mode", self.preemption_mode, "must be 'recompute' or 'swap'")
+        if self.swap_space_bytes < 0:
+            _fail("CacheConfig", "swap_space_bytes", self.swap_space_bytes, "must be >= 0")
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous batching limits per engine step."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # filled from the model when None
+
+    def __post_init__(self):
+        if not (isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1):
+            _fail("SchedulerConfig", "max_num_seqs", self.max_num_seqs, "must be an integer >= 1")
+        if not (isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1):
+            _fail("SchedulerConfig", "max_num_batched_tokens", self.max_num_batched_tokens,
+                  "must be an integer >= 1")
+        if self.max_model_len is not None and not (isinstance(self.max_model_len, int) and self.max_model_len >= 1):
+            _fail("SchedulerConfig", "max_model_len", self.max_model_len, "must be an integer >= 1")
+
+
+@dataclass
+class EngineConfig:
+    """Everything `LLM(...)` takes, grouped."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    attention_backend: str = "auto"   # "pallas" | "xla" | "auto"
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    compilation_cache_dir: str | None = None  # None: ~/.cache/jpaged/jax
+
+    def __post_init__(self):
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            _fail("EngineConfig", "dtype", self.dtype, "must be 'auto', 'float32', 'bfloat16' or 'float16'")
+        if self.attention_backend not in ("auto", "pallas", "xla"):
+            _fail("EngineConfig", "attention_backend", self.attention_backend,
+                  "must be 'auto', 'pallas' or 'xla'")
+        if not (isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1):
+            _fail("EngineConfig", "tensor_parallel_size", self.tensor_parallel_size, "must be an integer >= 1")

@@ -1,0 +1,266 @@
+"""LLMEngine: the loop. add_request / step / abort_request / has_unfinished_requests.
+
+Each step: the scheduler picks tokens per request under the budget, the model runner runs the
+jitted step, and the results are appended here, stop conditions checked, finished requests freed.
+"""
+import itertools
+import os
+
+import jax
+import jax.numpy as jnp
+
+from jpaged.config import EngineConfig
+from jpaged.core.kv_cache_manager import KVCacheManager, cdiv
+from jpaged.core.scheduler import Scheduler, SchedulerOutput
+from jpaged.detokenizer import IncrementalDetokenizer
+from jpaged.loading import load_model
+from jpaged.model_runner import ModelRunner
+from jpaged.outputs import CompletionOutput, RequestOutput
+from jpaged.request import Request, Sequence
+from jpaged.sampling_params import SamplingParams
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def enable_compilation_cache(path: str | None) -> None:
+    """JAX's persistent compilation cache, so a second start compiles nothing."""
+    if jax.config.jax_compilation_cache_dir:
+        return
+    path = path or os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "jax")
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model=None, tokenizer=None):
+        """Loads ``config.model`` (or serves ``model``, an NNX model already in memory)."""
+        self.config = config
+        enable_compilation_cache(config.compilation_cache_dir)
+        platform = jax.default_backend()
+        self.dtype = DTYPES[config.dtype] if config.dtype != "auto" else (
+            jnp.float32 if platform == "cpu" else jnp.bfloat16)
+        backend = config.attention_backend
+        self.attention_backend = backend if backend != "auto" else ("pallas" if platform in ("tpu", "gpu") else "xla")
+        if model is None:
+            path = config.model
+            if path is None:
+                from jpaged.loading.gguf_loader import default_model_path
+                path = default_model_path()
+            model, self.model_config, tokenizer = load_model(path, dtype=self.dtype,
+                                                             attention_backend=self.attention_backend)
+        else:
+            self.model_config = model.config
+        self.tokenizer = tokenizer
+        mc = self.model_config
+        sc = config.scheduler
+        if sc.max_model_len is not None and sc.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len={sc.max_model_len}: exceeds the model's "
+                             f"max_position_embeddings={mc.max_position_embeddings}")
+        self.max_model_len = sc.max_model_len or mc.max_position_embeddings
+        self.eos_token_ids = tuple(mc.eos_token_ids) or (
+            (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ())
+        cc = config.cache
+        self.num_blocks = self._num_blocks(model)
+        self.kv_cache = KVCacheManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.scheduler = Scheduler(sc, self.kv_cache)
+        self.runner = ModelRunner(model, self.kv_cache, num_blocks=self.num_blocks, dtype=self.dtype,
+                                  seed=config.seed)
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[int, IncrementalDetokenizer] = {}
+        self._arrivals = itertools.count()
+        self.peak_kv_cache_usage = 0.0
+        self._warm_up()
+
+    # Set-up --------------------------------------------------------------------------------------
+    def _kv_bytes_per_block(self) -> int:
+        mc = self.model_config
+        return (2 * mc.num_layers * mc.num_kv_heads * self.config.cache.block_size * mc.head_dim
+                * jnp.dtype(self.dtype).itemsize)
+
+    def _num_blocks(self, model) -> int:
+        cc, sc = self.config.cache, self.config.scheduler
+        per_block = self._kv_bytes_per_block()
+        if cc.num_kv_blocks is not None:
+            return cc.num_kv_blocks
+        if cc.kv_cache_memory_bytes is not None:
+            budget = cc.kv_cache_memory_bytes
+        else:
+            stats = jax.devices()[0].memory_stats() or {}
+            if "bytes_limit" in stats:
+                budget = int(stats["bytes_limit"] * cc.memory_utilization) - stats.get("bytes_in_use", 0)
+            else:  # CPU: devices report no memory
+                budget = cc.cpu_default_bytes
+        n = min(budget // per_block, sc.max_num_seqs * cdiv(self.max_model_len, cc.block_size))
+        if n < 1:
+            raise ValueError(f"kv_cache_memory_bytes={budget}: too small for one KV block of {per_block} bytes")
+        return int(n)
+
+    def _warm_up(self) -> None:
+        """Compiles the smallest step (one decode-shaped row) before the first request."""
+        request = Request("warmup", None, [0], SamplingParams(temperature=0.0, max_tokens=1), -1)
+        seq = request.seqs[0]
+        self.kv_cache.allocate(seq, 1)
+        sched = SchedulerOutput()
+        from jpaged.core.scheduler import ScheduledRequest
+        sched.scheduled.append(ScheduledRequest(request, 1))
+        self.runner.execute(sched)
+        self.kv_cache.free(seq)
+
+    # Requests ---------------------------------------------------------------------------------------
+    def tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt: a dict prompt needs 'prompt_token_ids' or 'prompt'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: text given but the model has no tokenizer; pass token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise ValueError(f"prompt: expected str, list[int] or dict, got {type(prompt).__name__}")
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Every check on a request, before it touches the scheduler or the device."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        params.validate()
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt: empty prompt (0 tokens)")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids: {bad[:5]} outside the vocabulary [0, {vocab})")
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt: {n} tokens, but max_model_len={self.max_model_len} leaves no room "
+                             f"to generate (the prompt must be shorter)")
+        max_len = min(self.max_model_len, n + (params.max_tokens or self.max_model_len))
+        bs = self.config.cache.block_size
+        need = params.n * cdiv(max_len, bs)
+        if need > self.num_blocks:
+            raise ValueError(f"num_kv_blocks={self.num_blocks}: too small for this request, which may need "
+                             f"{need} blocks of {bs} tokens ({params.n} x {max_len} tokens)")
+
+    def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
+                    *, cache_salt: str | None = None) -> Request:
+        request_id = str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request_id={request_id!r}: already in use")
+        params = sampling_params or SamplingParams()
+        text, token_ids = self.tokenize(prompt)
+        self.validate(token_ids, params)
+        request = Request(request_id, text, token_ids, params, next(self._arrivals),
+                          eos_token_ids=self.eos_token_ids, cache_salt=cache_salt)
+        self.requests[request_id] = request
+        self.scheduler.add_request(request)
+        return request
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.pop(str(request_id), None)
+        if request is None:
+            return None
+        for seq in request.live_seqs:
+            seq.finish_reason = "abort"
+        self.scheduler.finish(request)
+        return self._output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # The loop ---------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduling + model step; outputs of every request that advanced (or finished)."""
+        sched = self.scheduler.schedule()
+        self.peak_kv_cache_usage = max(self.peak_kv_cache_usage, self.kv_cache.usage())
+        if not sched.scheduled:
+            return []
+        samples = {id(sr): sr.samples for sr in sched.scheduled}
+        result = self.runner.execute(sched)
+        touched: dict[str, Request] = {}
+        for i, (sr, seq) in enumerate(result.rows):
+            request = sr.request
+            touched[request.request_id] = request
+            seq.num_computed_tokens += sr.num_new_tokens
+            self.kv_cache.cache_full_blocks(seq, request.cache_salt)
+            if samples[id(sr)]:
+                self._append_token(request, seq, int(result.tokens[i]), float(result.logprobs[i]),
+                                   result.top_ids[i], result.top_logprobs[i])
+        outputs = []
+        for request in touched.values():
+            if request.finished:
+                self.scheduler.finish(request)
+                self.requests.pop(request.request_id, None)
+            outputs.append(self._output(request))
+        return outputs
+
+    def _append_token(self, request: Request, seq: Sequence, token: int, logprob: float, top_ids, top_lps):
+        params = request.sampling_params
+        seq.token_ids.append(token)
+        seq.cumulative_logprob += logprob
+        if params.logprobs is not None:
+            entry = {token: logprob}
+            entry.update({int(t): float(lp) for t, lp in zip(top_ids[:params.logprobs], top_lps[:params.logprobs])})
+            seq.logprobs = (seq.logprobs or []) + [entry]
+        if self.tokenizer is not None:
+            detok = self.detokenizers.setdefault(
+                seq.seq_id, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens))
+            old_len = len(seq.text)
+            seq.text += detok.step(seq.output_token_ids)
+            if params.stop and seq.num_output_tokens >= params.min_tokens:
+                for stop in params.stop:
+                    at = seq.text.find(stop, max(0, old_len - len(stop) + 1))
+                    if at >= 0:
+                        seq.text = seq.text[:at]
+                        seq.finish_reason, seq.stop_reason = "stop", stop
+                        break
+        self._check_stop(request, seq, token)
+        if seq.finished:
+            self.detokenizers.pop(seq.seq_id, None)
+
+    def _check_stop(self, request: Request, seq: Sequence, token: int) -> None:
+        if seq.finished:
+            return
+        params = request.sampling_params
+        if seq.num_output_tokens >= params.min_tokens:
+            if token in params.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token
+                return
+            if not params.ignore_eos and token in request.eos_token_ids:
+                seq.finish_reason = "stop"
+                return
+        if (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) \
+                or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+
+    def _output(self, request: Request) -> RequestOutput:
+        completions = [CompletionOutput(index=s.index, text=s.text, token_ids=list(s.output_token_ids),
+                                        cumulative_logprob=s.cumulative_logprob, logprobs=s.logprobs,
+                                        finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+                       for s in request.seqs]
+        return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
+                             completions, request.finished, request.num_cached_tokens)
+
+    # Metrics -----------------------------------------------------------------------------------------
+    def get_metrics(self) -> dict:
+        running_seqs = [s for r in self.scheduler.running for s in r.live_seqs]
+        pool = self.kv_cache.pool
+        return {
+            "kv_cache_usage": self.kv_cache.usage(),
+            "kv_cache_utilization": self.kv_cache.utilization(running_seqs),
+            "peak_kv_cache_usage": self.peak_kv_cache_usage,
+            "num_total_blocks": pool.num_blocks,
+            "num_free_blocks": pool.num_free_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": self.kv_cache.prefix_cache_queries,
+            "prefix_cache_hits": self.kv_cache.prefix_cache_hits,
+            "num_compilations": self.runner.num_compilations,
+            "block_size": self.config.cache.block_size,
+            "attention_backend": self.attention_backend,
+        }

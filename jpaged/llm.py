@@ -1,0 +1,91 @@
+"""LLM: the offline API. Batch generation over an LLMEngine, with a progress bar."""
+from tqdm.auto import tqdm
+
+from jpaged import presets
+from jpaged.config import CacheConfig, EngineConfig, SchedulerConfig
+from jpaged.engine import LLMEngine
+from jpaged.outputs import RequestOutput
+from jpaged.sampling_params import SamplingParams
+
+_CACHE_KEYS = {"block_size", "num_kv_blocks", "kv_cache_memory_bytes", "memory_utilization",
+               "enable_prefix_caching", "preemption_mode", "swap_space_bytes"}
+_SCHEDULER_KEYS = {"max_num_seqs", "max_num_batched_tokens", "max_model_len"}
+_ENGINE_KEYS = {"dtype", "tensor_parallel_size", "attention_backend", "seed", "compilation_cache_dir"}
+
+
+def engine_config(model: str | None = None, **kwargs) -> EngineConfig:
+    """Builds a validated EngineConfig from LLM-style keyword arguments (presets resolved)."""
+    model, kwargs = presets.resolve(model, kwargs)
+    unknown = set(kwargs) - _CACHE_KEYS - _SCHEDULER_KEYS - _ENGINE_KEYS
+    if unknown:
+        raise ValueError(f"unknown engine argument(s): {sorted(unknown)}")
+    pick = lambda keys: {k: v for k, v in kwargs.items() if k in keys}  # noqa: E731
+    return EngineConfig(model=model, cache=CacheConfig(**pick(_CACHE_KEYS)),
+                        scheduler=SchedulerConfig(**pick(_SCHEDULER_KEYS)), **pick(_ENGINE_KEYS))
+
+
+class LLM:
+    """Offline batch generation. ``LLM()`` serves the embedded SmolLM2-135M-Instruct."""
+
+    def __init__(self, model: str | None = None, **kwargs):
+        self.llm_engine = LLMEngine(engine_config(model, **kwargs))
+        self._next_id = 0
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.llm_engine, llm._next_id = engine, 0
+        return llm
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def get_metrics(self) -> dict:
+        return self.llm_engine.get_metrics()
+
+    def _prompt_list(self, prompts) -> list:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+            return [list(prompts)]
+        return list(prompts)
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generates for every prompt; outputs in prompt order.
+
+        Every prompt is validated before any is queued: a bad one raises ValueError and nothing runs.
+        """
+        prompts = self._prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        engine = self.llm_engine
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                engine.validate(engine.tokenize(prompt)[1], p)
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from None
+        ids = []
+        for prompt, p in zip(prompts, params):
+            ids.append(str(self._next_id))
+            engine.add_request(ids[-1], prompt, p)
+            self._next_id += 1
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        wanted = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm or len(ids) < 2)
+        while len(done) < len(ids):
+            if not engine.has_unfinished_requests():
+                raise RuntimeError("engine stopped with requests unfinished")
+            for out in engine.step():
+                if out.finished and out.request_id in wanted:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [done[i] for i in ids]

@@ -1,0 +1,181 @@
+"""Host arrays -> padded static-shape batch -> jitted step -> sampled tokens.
+
+Every array is padded to a power-of-two bucket (tokens, sequences, blocks per sequence, query
+chunks), so the step compiles once per bucket combination and never again in steady state. The KV
+pool is donated to the step, so XLA updates it in place.
+"""
+import dataclasses
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jpaged.attention import PREFILL_CHUNK, AttentionMetadata
+from jpaged.core.kv_cache_manager import KVCacheManager
+from jpaged.core.scheduler import SchedulerOutput
+from jpaged.sampler import SamplingTensors, sample
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """The smallest power of two >= max(n, minimum); 0 stays 0 when minimum is 0."""
+    n = max(n, minimum)
+    return 0 if n == 0 else 1 << (n - 1).bit_length()
+
+
+def _pad(rows: list, width: int, fill: int) -> np.ndarray:
+    out = np.full((len(rows), width), fill, np.int32)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return out
+
+
+@dataclasses.dataclass
+class StepResult:
+    """Sampled tokens, one per row; ``rows[i]`` is the (ScheduledRequest, Sequence) of row i."""
+
+    rows: list
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+
+def _copy_blocks(kv_caches, src, dst):
+    def copy(pages):
+        nb = pages.shape[1]
+        return pages.at[:, jnp.where(dst < 0, nb, dst)].set(pages[:, jnp.maximum(src, 0)], mode="drop")
+
+    return [(copy(k), copy(v)) for k, v in kv_caches]
+
+
+class ModelRunner:
+    def __init__(self, model, kv_cache: KVCacheManager, *, num_blocks: int, dtype, seed: int = 0):
+        self.config = model.config
+        self.graphdef, self.state = nnx.split(model)
+        self.kv_cache_manager = kv_cache
+        self.block_size = kv_cache.block_size
+        self.seed = seed
+        c = self.config
+        shape = (c.num_kv_heads, num_blocks, self.block_size, c.head_dim)
+        self.kv_caches = [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(c.num_layers)]
+        self._step = jax.jit(self._step_fn, donate_argnums=(1,))
+        self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
+
+    @property
+    def num_compilations(self) -> int:
+        return self._step._cache_size() + self._copy._cache_size()
+
+    def _step_fn(self, state, kv_caches, input_ids, md, logits_indices, sampling):
+        model = nnx.merge(self.graphdef, state)
+        hidden, kv_caches = model(input_ids, md.positions, kv_caches, md)
+        logits = model.compute_logits(hidden[logits_indices])
+        return sample(logits, sampling), kv_caches
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """All copy-on-write / swap-in copies of one step, in one call."""
+        if not copies:
+            return
+        n = bucket(len(copies), 4)
+        src = np.full(n, -1, np.int32)
+        dst = np.full(n, -1, np.int32)
+        src[:len(copies)], dst[:len(copies)] = zip(*copies)
+        self.kv_caches = self._copy(self.kv_caches, src, dst)
+
+    def execute(self, sched: SchedulerOutput) -> StepResult:
+        self.copy_blocks(sched.block_copies)
+        rows, batch = self.prepare(sched)
+        sampling = self.sampling_tensors(rows, batch["logits_indices"].shape[0])
+        (tokens, logprobs, top_ids, top_lps), self.kv_caches = self._step(
+            self.state, self.kv_caches, batch["input_ids"], batch["md"], batch["logits_indices"], sampling)
+        n = len(rows)
+        return StepResult(rows, *(np.asarray(a)[:n] for a in (tokens, logprobs, top_ids, top_lps)))
+
+    def prepare(self, sched: SchedulerOutput):
+        bs = self.block_size
+        rows, input_ids, positions, slots, seq_lens, tables = [], [], [], [], [], []
+        query_start_loc = [0]
+        decode_chunks, prefill_chunks = [], []  # (row, first token, num tokens)
+        for sr in sched.scheduled:
+            for seq in sr.request.live_seqs:
+                start, n = seq.num_computed_tokens, sr.num_new_tokens
+                first = len(input_ids)
+                pos = np.arange(start, start + n)
+                table = self.kv_cache_manager.block_table(seq)
+                input_ids.extend(seq.token_ids[start:start + n])
+                positions.append(pos)
+                slots.append(np.asarray(table, np.int32)[pos // bs] * bs + pos % bs)
+                seq_lens.append(start + n)
+                tables.append(table)
+                query_start_loc.append(first + n)
+                if n == 1:
+                    decode_chunks.append((len(rows), first, 1))
+                else:
+                    prefill_chunks += [(len(rows), first + c, min(PREFILL_CHUNK, n - c))
+                                       for c in range(0, n, PREFILL_CHUNK)]
+                rows.append((sr, seq))
+        t, s = len(input_ids), len(rows)
+        t_pad, s_pad = bucket(t, 16), bucket(s, 8)
+        b_pad = bucket(max(len(tb) for tb in tables), 4)
+        token_to_row = np.zeros(t_pad, np.int32)
+        groups, offset = [], 0
+        for chunks, width in ((decode_chunks, 1), (prefill_chunks, PREFILL_CHUNK)):
+            c_pad = bucket(len(chunks), 0)
+            chunk_seq = np.zeros(c_pad, np.int32)
+            chunk_rows = np.full((c_pad, width), t_pad, np.int32)
+            for i, (row, first, n) in enumerate(chunks):
+                chunk_seq[i] = row
+                chunk_rows[i, :n] = np.arange(first, first + n)
+                token_to_row[first:first + n] = offset + i * width + np.arange(n)
+            groups.append((chunk_seq, chunk_rows))
+            offset += c_pad * width
+        qsl = np.full(s_pad + 1, t, np.int32)
+        qsl[:s + 1] = query_start_loc
+        md = AttentionMetadata(
+            slot_mapping=np.concatenate(slots + [np.full(t_pad - t, -1, np.int32)]).astype(np.int32),
+            block_tables=_pad(tables + [[]] * (s_pad - s), b_pad, 0),
+            seq_lens=np.array(seq_lens + [0] * (s_pad - s), np.int32),
+            query_start_loc=qsl,
+            num_seqs=np.array(s, np.int32),
+            positions=np.concatenate(positions + [np.zeros(t_pad - t, np.int64)]).astype(np.int32),
+            chunk_groups=tuple(groups),
+            token_to_row=token_to_row)
+        logits_indices = np.zeros(s_pad, np.int32)
+        logits_indices[:s] = np.asarray(query_start_loc[1:]) - 1
+        ids = np.zeros(t_pad, np.int32)
+        ids[:t] = input_ids
+        return rows, {"input_ids": ids, "md": md, "logits_indices": logits_indices}
+
+    def sampling_tensors(self, rows, s_pad: int) -> SamplingTensors:
+        f32 = lambda vals, fill: np.array(vals + [fill] * (s_pad - len(vals)), np.float32)  # noqa: E731
+        params = [sr.request.sampling_params for sr, _ in rows]
+        seeds, banned = [], []
+        for (sr, seq), p in zip(rows, params):
+            base = p.seed if p.seed is not None else f"{self.seed}/{sr.request.request_id}"
+            seeds.append(zlib.crc32(f"{base}/{seq.index}".encode()))
+            ban = []
+            if seq.num_output_tokens < p.min_tokens:
+                ban = list(sr.request.eos_token_ids) + p.stop_token_ids
+            banned.append(ban)
+        use_penalties = any(p.uses_penalties for p in params)
+        out_ids = [seq.output_token_ids for _, seq in rows] if use_penalties else []
+        prompt_ids = [seq.token_ids[:seq.num_prompt_tokens] for _, seq in rows] if use_penalties else []
+        pad_rows = lambda rs: _pad(rs + [[]] * (s_pad - len(rs)), bucket(max(map(len, rs), default=0), 0), -1)  # noqa: E731
+        return SamplingTensors(
+            temperature=f32([p.temperature for p in params], 0.0),
+            top_k=np.array([p.top_k for p in params] + [0] * (s_pad - len(rows)), np.int32),
+            top_p=f32([p.top_p for p in params], 1.0),
+            min_p=f32([p.min_p for p in params], 0.0),
+            seeds=np.array(seeds + [0] * (s_pad - len(rows)), np.uint32),
+            steps=np.array([seq.num_output_tokens for _, seq in rows] + [0] * (s_pad - len(rows)), np.int32),
+            presence_penalty=f32([p.presence_penalty for p in params], 0.0),
+            frequency_penalty=f32([p.frequency_penalty for p in params], 0.0),
+            repetition_penalty=f32([p.repetition_penalty for p in params], 1.0),
+            output_token_ids=pad_rows(out_ids) if use_penalties else np.zeros((s_pad, 0), np.int32),
+            prompt_token_ids=pad_rows(prompt_ids) if use_penalties else np.zeros((s_pad, 0), np.int32),
+            banned_token_ids=pad_rows(banned),
+            num_logprobs=bucket(max((p.logprobs or 0) for p in params), 0),
+            use_filters=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
+            use_penalties=use_penalties,
+            all_greedy=all(p.temperature == 0 for p in params))

@@ -1,0 +1,152 @@
+"""Llama-family decoder in Flax NNX: Llama 2/3 (GQA, Llama 3.1 rope scaling), Mistral,
+Qwen2 (q/k/v biases) and SmolLM2 (tied embeddings), attending through the paged KV cache."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jpaged.attention import AttentionMetadata, PagedAttention
+from jpaged.models.model_config import ModelConfig
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Inverse frequencies as transformers computes them (default, linear and llama3 scaling)."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq.astype(np.float32)
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return (inv_freq / scaling["factor"]).astype(np.float32)
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3 are)")
+
+
+def apply_rope(x, cos, sin):
+    """x [T, H, D]; cos/sin [T, D] in the rotate-half convention of transformers."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    out = x.astype(jnp.float32) * cos[:, None] + rotated.astype(jnp.float32) * sin[:, None]
+    return out.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * x32.astype(x.dtype)
+
+
+def linear(din, dout, bias, dtype, rngs):
+    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+
+class LlamaAttention(nnx.Module):
+    def __init__(self, c: ModelConfig, dtype, backend: str, rngs: nnx.Rngs):
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_proj = linear(c.hidden_size, c.num_heads * c.head_dim, c.attention_bias, dtype, rngs)
+        self.k_proj = linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.attention_bias, dtype, rngs)
+        self.v_proj = linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.attention_bias, dtype, rngs)
+        self.o_proj = linear(c.num_heads * c.head_dim, c.hidden_size, False, dtype, rngs)
+        self.attn = PagedAttention(c.num_heads, c.num_kv_heads, c.head_dim, backend=backend)
+
+    def __call__(self, x, cos, sin, kv_cache, md: AttentionMetadata):
+        t = x.shape[0]
+        q = apply_rope(self.q_proj(x).reshape(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        out, kv_cache = self.attn(q, k, v, kv_cache, md)
+        return self.o_proj(out.reshape(t, -1)), kv_cache
+
+
+class LlamaMLP(nnx.Module):
+    def __init__(self, c: ModelConfig, dtype, rngs: nnx.Rngs):
+        self.gate_proj = linear(c.hidden_size, c.intermediate_size, False, dtype, rngs)
+        self.up_proj = linear(c.hidden_size, c.intermediate_size, False, dtype, rngs)
+        self.down_proj = linear(c.intermediate_size, c.hidden_size, False, dtype, rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nnx.Module):
+    def __init__(self, c: ModelConfig, dtype, backend: str, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(c.hidden_size, c.norm_eps, dtype)
+        self.self_attn = LlamaAttention(c, dtype, backend, rngs)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.norm_eps, dtype)
+        self.mlp = LlamaMLP(c, dtype, rngs)
+
+    def __call__(self, x, cos, sin, kv_cache, md):
+        h, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, md)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+
+
+class LlamaForCausalLM(nnx.Module):
+    """``__call__(input_ids[T], positions[T], kv_caches, md) -> (hidden[T, H], kv_caches)``;
+    ``compute_logits(hidden[S, H]) -> [S, vocab]`` float32."""
+
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, attention_backend: str = "xla",
+                 rngs: nnx.Rngs):
+        c = self.config = config
+        self.embed_tokens = nnx.Embed(c.vocab_size, c.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([LlamaDecoderLayer(c, dtype, attention_backend, rngs)
+                                for _ in range(c.num_layers)])
+        self.norm = RMSNorm(c.hidden_size, c.norm_eps, dtype)
+        self.lm_head = None if c.tie_word_embeddings else linear(c.hidden_size, c.vocab_size, False, dtype, rngs)
+        self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(c)))
+
+    def init_buffers(self):
+        """Recomputes non-parameter state (after creation under `nnx.eval_shape`)."""
+        self.inv_freq.value = jnp.asarray(rope_inv_freq(self.config))
+
+    def __call__(self, input_ids, positions, kv_caches, md: AttentionMetadata):
+        x = self.embed_tokens(input_ids)
+        freqs = positions.astype(jnp.float32)[:, None] * self.inv_freq[...][None, :]
+        emb = jnp.concatenate([freqs, freqs], axis=-1)
+        cos, sin = jnp.cos(emb), jnp.sin(emb)
+        new_caches = []
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, kv_cache = layer(x, cos, sin, kv_cache, md)
+            new_caches.append(kv_cache)
+        return self.norm(x), new_caches
+
+    def compute_logits(self, hidden):
+        if self.lm_head is None:
+            return self.embed_tokens.attend(hidden).astype(jnp.float32)
+        return self.lm_head(hidden).astype(jnp.float32)
+
+    def hf_weight_map(self):
+        """(module attribute path, HF tensor name, transpose?) for every parameter."""
+        out = [(("embed_tokens", "embedding"), "model.embed_tokens.weight", False),
+               (("norm", "weight"), "model.norm.weight", False)]
+        if self.lm_head is not None:
+            out.append((("lm_head", "kernel"), "lm_head.weight", True))
+        for i in range(self.config.num_layers):
+            p = f"model.layers.{i}."
+            L = ("layers", i)
+            out += [(L + ("input_layernorm", "weight"), p + "input_layernorm.weight", False),
+                    (L + ("post_attention_layernorm", "weight"), p + "post_attention_layernorm.weight", False)]
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                out.append((L + ("self_attn", proj, "kernel"), f"{p}self_attn.{proj}.weight", True))
+                if self.config.attention_bias and proj != "o_proj":
+                    out.append((L + ("self_attn", proj, "bias"), f"{p}self_attn.{proj}.bias", False))
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                out.append((L + ("mlp", proj, "kernel"), f"{p}mlp.{proj}.weight", True))
+        return out

@@ -1,0 +1,46 @@
+"""What the engine hands back to users."""
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request (``n`` of them per request)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None   # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after an engine step (or at its end)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class BeamSequence:
+    token_ids: list[int]
+    text: str
+    cumulative_logprob: float
+    score: float
+
+
+@dataclass
+class BeamSearchOutput:
+    """Beams of one prompt, best first."""
+
+    prompt_token_ids: list[int]
+    sequences: list[BeamSequence] = field(default_factory=list)

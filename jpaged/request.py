@@ -1,0 +1,91 @@
+"""A request and its sequences: token ids, how many are computed, status."""
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from jpaged.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_seq_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One token stream with its own block table (a request has ``n`` of them, or ``beam_width``)."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+    index: int = 0                       # position among the request's outputs
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    num_computed_tokens: int = 0         # tokens whose K/V are in the cache
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: str = ""
+    block_hashes: list[int] = field(default_factory=list)  # prefix-cache keys of its full blocks
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def fork(self, index: int) -> "Sequence":
+        """A copy sharing history; its blocks are shared through the KV cache manager."""
+        return Sequence(token_ids=list(self.token_ids), num_prompt_tokens=self.num_prompt_tokens,
+                        index=index, num_computed_tokens=self.num_computed_tokens,
+                        cumulative_logprob=self.cumulative_logprob,
+                        logprobs=None if self.logprobs is None else list(self.logprobs),
+                        text=self.text, block_hashes=list(self.block_hashes))
+
+
+@dataclass(eq=False)
+class Request:
+    """A prompt and the sequences generated from it; scheduled and preempted as one group."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival: int
+    eos_token_ids: tuple[int, ...] = ()
+    cache_salt: str | None = None
+    seqs: list[Sequence] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    def __post_init__(self):
+        if not self.seqs:
+            self.seqs = [Sequence(token_ids=list(self.prompt_token_ids),
+                                  num_prompt_tokens=len(self.prompt_token_ids))]
+
+    @property
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.finished]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+    @property
+    def in_prefill(self) -> bool:
+        """True until the prompt is fully computed (parallel samples fork after that)."""
+        return len(self.seqs) == 1 and self.seqs[0].num_computed_tokens < self.seqs[0].num_prompt_tokens

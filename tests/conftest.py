@@ -1,0 +1,67 @@
+"""Shared fixtures: small random Hugging Face checkpoints and the transformers greedy oracle."""
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _save(tmp_path_factory, name, config):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    path = str(tmp_path_factory.mktemp(name))
+    model.save_pretrained(path)
+    return path, model
+
+
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              vocab_size=256, max_position_embeddings=1024, initializer_range=0.1,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory):
+    from transformers import LlamaConfig
+
+    return _save(tmp_path_factory, "llama", LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False, **COMMON))
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tmp_path_factory):
+    from transformers import Qwen2Config
+
+    return _save(tmp_path_factory, "qwen2", Qwen2Config(num_key_value_heads=2, tie_word_embeddings=False,
+                                                         **COMMON))
+
+
+@pytest.fixture(scope="session")
+def tied_llama_dir(tmp_path_factory):
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(num_key_value_heads=1, tie_word_embeddings=True,
+                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                      **COMMON)
+    return _save(tmp_path_factory, "tied", cfg)
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int):
+    """transformers' greedy tokens and their log-probabilities (float32)."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             min_new_tokens=max_new_tokens, output_scores=True, return_dict_in_generate=True,
+                             pad_token_id=0, output_logits=True)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    logprobs = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(out.logits, tokens)]
+    return tokens, logprobs
+
+
+def random_prompts(rng: np.random.Generator, lengths, vocab=256):
+    return [rng.integers(3, vocab, n).tolist() for n in lengths]
