@@ -8,7 +8,27 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def _save(tmp_path_factory, name, config):
+def byte_tokenizer():
+    """A 256-token byte-level tokenizer (token i is byte i), so random models can have text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    def bytes_to_unicode():  # GPT-2's printable stand-ins for the 256 bytes
+        printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+        others = [b for b in range(256) if b not in printable]
+        mapping = {b: chr(b) for b in printable}
+        mapping.update({b: chr(256 + i) for i, b in enumerate(others)})
+        return mapping
+
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=bytes_to_unicode()[2],
+                                   bos_token=bytes_to_unicode()[1])
+
+
+def _save(tmp_path_factory, name, config, with_tokenizer=False):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -16,6 +36,8 @@ def _save(tmp_path_factory, name, config):
     model = AutoModelForCausalLM.from_config(config).eval()
     path = str(tmp_path_factory.mktemp(name))
     model.save_pretrained(path)
+    if with_tokenizer:
+        byte_tokenizer().save_pretrained(path)
     return path, model
 
 
@@ -28,7 +50,8 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 def llama_dir(tmp_path_factory):
     from transformers import LlamaConfig
 
-    return _save(tmp_path_factory, "llama", LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False, **COMMON))
+    return _save(tmp_path_factory, "llama", LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False, **COMMON),
+                 with_tokenizer=True)
 
 
 @pytest.fixture(scope="session")

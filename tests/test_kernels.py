@@ -1,0 +1,415 @@
+"""Kernels (interpret mode on CPU) vs references vs dumb numpy loops.
+
+Layers of trust: the numpy loops below are written for obviousness; the
+pure-jnp references in ``pallas_kernels.reference`` are checked against them;
+the Pallas kernels (TPU/Mosaic and GPU/Triton variants, both interpreted) are
+checked against the references. Lowering for real hardware is checked in
+``test_kernels_export.py``.
+
+Tolerances: float32 atol = rtol = 2e-5 (kernels accumulate in float32 in a
+different order); bfloat16 atol = rtol = 3e-2 (inputs are bfloat16 for both
+sides; the kernels round softmax weights to bfloat16 before the PV matmul in
+the ragged kernel and round the output to bfloat16).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+
+TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5),
+       jnp.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+KERNEL_BACKENDS = ["tpu", "gpu"]
+
+
+# ---------------------------------------------------------------------------
+# Dumb numpy loops.
+# ---------------------------------------------------------------------------
+
+
+def np_attention_row(q_h, keys, values, scale):
+  """softmax(scale * q.k) . v for one query head over visible keys."""
+  if len(keys) == 0:
+    return np.zeros_like(q_h)
+  logits = np.array([scale * float(np.dot(q_h, k)) for k in keys])
+  w = np.exp(logits - logits.max())
+  w /= w.sum()
+  return (w[:, None] * np.asarray(values)).sum(0)
+
+
+def np_context(pages, table, seq_len, head):
+  """Keys of one sequence and head, in position order, read slot by slot."""
+  block_size = pages.shape[2]
+  return [pages[head, table[p // block_size], p % block_size]
+          for p in range(seq_len)]
+
+
+def np_ragged(q, k_pages, v_pages, block_tables, seq_lens, qsl, num_seqs,
+              scale):
+  q = np.asarray(q, np.float64)
+  k_pages = np.asarray(k_pages, np.float64)
+  v_pages = np.asarray(v_pages, np.float64)
+  num_tokens, hq, _ = q.shape
+  group = hq // k_pages.shape[0]
+  out = np.zeros_like(q)
+  for s in range(int(num_seqs)):
+    q_len = qsl[s + 1] - qsl[s]
+    for i in range(q_len):
+      pos = seq_lens[s] - q_len + i
+      for h in range(hq):
+        keys = np_context(k_pages, block_tables[s], pos + 1, h // group)
+        vals = np_context(v_pages, block_tables[s], pos + 1, h // group)
+        out[qsl[s] + i, h] = np_attention_row(q[qsl[s] + i, h], keys, vals,
+                                              scale)
+  return out
+
+
+def np_paged(q, k_pages, v_pages, block_tables, seq_lens, scale):
+  num_seqs = q.shape[0]
+  qsl = np.arange(num_seqs + 1)
+  # Decode == ragged with one row per sequence at position seq_len - 1.
+  return np_ragged(q, k_pages, v_pages, block_tables, seq_lens, qsl,
+                   num_seqs, scale)
+
+
+def np_write_kv(k_pages, v_pages, k_new, v_new, slots):
+  k, v = np.array(k_pages), np.array(v_pages)
+  bs = k.shape[2]
+  for t, slot in enumerate(slots):
+    if slot >= 0:
+      k[:, slot // bs, slot % bs] = k_new[t]
+      v[:, slot // bs, slot % bs] = v_new[t]
+  return k, v
+
+
+def np_copy_blocks(k_pages, v_pages, src, dst):
+  k, v = np.array(k_pages), np.array(v_pages)
+  for a, b in zip(src, dst):
+    if a >= 0 and b >= 0:
+      k[:, b], v[:, b] = k[:, a], v[:, a]
+  return k, v
+
+
+# ---------------------------------------------------------------------------
+# Cases.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Case:
+  """A batch: per sequence (q_len, seq_len); padding sequences at the end."""
+  seqs: list[tuple[int, int]]
+  block_size: int = 16
+  head_dim: int = 64
+  num_kv_heads: int = 2
+  group: int = 4
+  dtype: type = jnp.float32
+  max_seqs: int | None = None  # >= len(seqs); extra rows are padding
+  extra_tokens: int = 0  # padding rows after the last sequence
+  share_prefix: bool = True  # seq 1 reuses seq 0's first block
+  seed: int = 0
+
+  def build(self):
+    """Returns (args, kwargs) for ragged_paged_attention; pool has NaNs in
+    every slot no sequence uses, so reading one would show."""
+    rng = np.random.default_rng(self.seed)
+    bs, d = self.block_size, self.head_dim
+    max_seqs = self.max_seqs or len(self.seqs)
+    pages = [-(-ctx // bs) for _, ctx in self.seqs]
+    max_blocks = max(max(pages), 1) + 1
+    num_blocks = sum(pages) + 3
+    perm = rng.permutation(num_blocks)
+    tables = np.zeros((max_seqs, max_blocks), np.int32)
+    used = np.zeros((num_blocks, bs), bool)
+    nxt = 0
+    for s, (_, ctx) in enumerate(self.seqs):
+      tables[s, :pages[s]] = perm[nxt:nxt + pages[s]]
+      nxt += pages[s]
+      if (s == 1 and self.share_prefix and pages[0] > 1 and pages[1] > 1):
+        tables[1, 0] = tables[0, 0]  # a shared (prefix) block
+      for p in range(ctx):
+        used[tables[s, p // bs], p % bs] = True
+    shape = (self.num_kv_heads, num_blocks, bs, d)
+    k = rng.standard_normal(shape).astype(np.float32)
+    v = rng.standard_normal(shape).astype(np.float32)
+    k[:, ~used] = np.nan
+    v[:, ~used] = np.nan
+    q_lens = [ql for ql, _ in self.seqs]
+    num_tokens = sum(q_lens) + self.extra_tokens
+    qsl = np.zeros(max_seqs + 1, np.int32)
+    qsl[1:len(q_lens) + 1] = np.cumsum(q_lens)
+    qsl[len(q_lens) + 1:] = sum(q_lens)
+    seq_lens = np.zeros(max_seqs, np.int32)
+    seq_lens[:len(self.seqs)] = [ctx for _, ctx in self.seqs]
+    hq = self.num_kv_heads * self.group
+    q = rng.standard_normal((num_tokens, hq, d)).astype(np.float32)
+    cast = lambda x: jnp.asarray(x, self.dtype)
+    args = (cast(q), cast(k), cast(v), jnp.asarray(tables),
+            jnp.asarray(seq_lens), jnp.asarray(qsl),
+            jnp.asarray([len(self.seqs)], jnp.int32))
+    return args, dict(scale=1.0 / np.sqrt(d))
+
+
+def decode_case(lens, **kw):
+  return Case(seqs=[(1, n) for n in lens], **kw)
+
+
+def check(out, expected, dtype):
+  out = np.asarray(jnp.asarray(out, jnp.float32))
+  assert not np.isnan(out).any()
+  np.testing.assert_allclose(out, np.asarray(expected, np.float32),
+                             **TOL[dtype])
+
+
+def as_np(x):
+  return np.asarray(jnp.asarray(x, jnp.float32))
+
+
+# ---------------------------------------------------------------------------
+# References vs numpy loops.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", [
+    decode_case([0, 1, 15, 16, 17, 40], block_size=16),
+    decode_case([3, 8, 9], block_size=8, group=1, num_kv_heads=3),
+], ids=["bs16_g4", "bs8_mha"])
+def test_paged_reference_vs_numpy(case):
+  (q, k, v, bt, sl, _, _), kw = case.build()
+  out = pk.paged_attention_reference(q, k, v, bt, sl, **kw)
+  expected = np_paged(q, as_np(k), as_np(v), np.asarray(bt), np.asarray(sl),
+                      kw["scale"])
+  check(out, expected, case.dtype)
+
+
+@pytest.mark.parametrize("case", [
+    Case(seqs=[(5, 5), (1, 20), (0, 7), (9, 33), (1, 1)], max_seqs=7,
+         extra_tokens=3),
+    Case(seqs=[(16, 40), (4, 4)], block_size=8, group=8, num_kv_heads=1,
+         head_dim=128),
+], ids=["mixed_padded", "mqa"])
+def test_ragged_reference_vs_numpy(case):
+  args, kw = case.build()
+  out = pk.ragged_paged_attention_reference(*args, **kw)
+  q, k, v, bt, sl, qsl, ns = args
+  expected = np_ragged(as_np(q), as_np(k), as_np(v), np.asarray(bt),
+                       np.asarray(sl), np.asarray(qsl), int(ns[0]),
+                       kw["scale"])
+  check(out, expected, case.dtype)
+
+
+def _cache_inputs(seed=0, dtype=jnp.float32, kvh=2, num_blocks=6, bs=8,
+                  d=64, num_tokens=9):
+  rng = np.random.default_rng(seed)
+  k = rng.standard_normal((kvh, num_blocks, bs, d)).astype(np.float32)
+  v = rng.standard_normal((kvh, num_blocks, bs, d)).astype(np.float32)
+  kn = rng.standard_normal((num_tokens, kvh, d)).astype(np.float32)
+  vn = rng.standard_normal((num_tokens, kvh, d)).astype(np.float32)
+  slots = rng.permutation(num_blocks * bs)[:num_tokens].astype(np.int32)
+  slots[1::3] = -1  # padding rows
+  cast = lambda x: jnp.asarray(x, dtype)
+  return cast(k), cast(v), cast(kn), cast(vn), jnp.asarray(slots)
+
+
+def test_cache_references_vs_numpy():
+  k, v, kn, vn, slots = _cache_inputs()
+  got = pk.write_kv_reference(k, v, kn, vn, slots)
+  want = np_write_kv(k, v, kn, vn, np.asarray(slots))
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), w)
+  src = jnp.array([0, 3, -1, 2], jnp.int32)
+  dst = jnp.array([4, 5, 1, -1], jnp.int32)
+  got = pk.copy_blocks_reference(k, v, src, dst)
+  want = np_copy_blocks(k, v, np.asarray(src), np.asarray(dst))
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), w)
+
+
+# ---------------------------------------------------------------------------
+# Kernels (interpret mode) vs references.
+# ---------------------------------------------------------------------------
+
+# Representative decode configs: lengths 0, 1, block multiples and +/- 1, up
+# to 2048; every block size, head dim, group and dtype appears at least once.
+DECODE_CASES = {
+    "bs16_d64_g4_f32": decode_case([0, 1, 15, 16, 17, 100], block_size=16),
+    "bs8_d128_g1_bf16": decode_case([1, 7, 8, 9, 64], block_size=8,
+                                    head_dim=128, group=1, num_kv_heads=4,
+                                    dtype=jnp.bfloat16),
+    "bs32_d64_g8_bf16": decode_case([31, 32, 33, 2048], block_size=32,
+                                    group=8, num_kv_heads=1,
+                                    dtype=jnp.bfloat16),
+    "bs64_d128_g4_f32": decode_case([0, 63, 64, 65, 2047], block_size=64,
+                                    head_dim=128),
+}
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("name", DECODE_CASES)
+def test_paged_attention(name, backend):
+  case = DECODE_CASES[name]
+  (q, k, v, bt, sl, _, _), kw = case.build()
+  out = pk.paged_attention(q, k, v, bt, sl, pages_per_compute_block=4,
+                           backend=backend, interpret=True, **kw)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  check(out, pk.paged_attention_reference(q, k, v, bt, sl, **kw), case.dtype)
+  assert not np.any(as_np(out)[np.asarray(sl) == 0])  # empty -> zeros
+
+
+RAGGED_CASES = {
+    # Prefill, decode, empty and chunked-prefill rows; padding seqs + rows.
+    "mixed_bs16_g4_f32": Case(
+        seqs=[(5, 5), (1, 20), (0, 7), (17, 33), (1, 1), (16, 16)],
+        max_seqs=8, extra_tokens=7),
+    "chunk_bs8_d128_g8_bf16": Case(
+        seqs=[(40, 2048), (1, 9), (8, 8)], block_size=8, head_dim=128,
+        group=8, num_kv_heads=1, dtype=jnp.bfloat16, extra_tokens=3),
+    "bs32_g1_bf16": Case(seqs=[(31, 31), (1, 65), (33, 64)], block_size=32,
+                         group=1, num_kv_heads=4, dtype=jnp.bfloat16),
+    "bs64_d64_g3_f32": Case(seqs=[(2, 129), (1, 64), (20, 63)],
+                            block_size=64, group=3, max_seqs=4),
+}
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("name", RAGGED_CASES)
+def test_ragged_paged_attention(name, backend):
+  case = RAGGED_CASES[name]
+  args, kw = case.build()
+  out = pk.ragged_paged_attention(*args, pages_per_compute_block=2,
+                                  backend=backend, interpret=True, **kw)
+  q = args[0]
+  assert out.shape == q.shape and out.dtype == q.dtype
+  check(out, pk.ragged_paged_attention_reference(*args, **kw), case.dtype)
+  num_real = int(args[5][int(args[6][0])])
+  assert not np.any(as_np(out)[num_real:])  # padding rows are zeros
+
+
+def test_ragged_decode_rows_match_paged_attention():
+  """A batch of q_len == 1 rows is the decode kernel's problem."""
+  case = decode_case([1, 16, 17, 70], block_size=16)
+  (q, k, v, bt, sl, qsl, ns), kw = case.build()
+  decode = pk.paged_attention(q, k, v, bt, sl, backend="tpu", interpret=True,
+                              **kw)
+  ragged = pk.ragged_paged_attention(q, k, v, bt, sl, qsl, ns, backend="tpu",
+                                     interpret=True, **kw)
+  np.testing.assert_allclose(np.asarray(ragged), np.asarray(decode),
+                             atol=2e-5, rtol=2e-5)
+
+
+def test_ragged_scalar_num_seqs_and_small_tiles():
+  case = Case(seqs=[(3, 3), (20, 50), (1, 5)], max_seqs=5, extra_tokens=4)
+  args, kw = case.build()
+  args = args[:6] + (jnp.int32(2),)  # scalar; third sequence is padding now
+  ref = pk.ragged_paged_attention_reference(*args, **kw)
+  assert not np.any(np.asarray(ref)[23:])
+  for backend, tile in (("tpu", 32), ("gpu", 4)):
+    out = pk.ragged_paged_attention(*args, num_queries_per_block=tile,
+                                    pages_per_compute_block=3,
+                                    backend=backend, interpret=True, **kw)
+    check(out, ref, jnp.float32)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_write_kv(backend, dtype):
+  k, v, kn, vn, slots = _cache_inputs(dtype=dtype, kvh=2, bs=16, d=128)
+  got = pk.write_kv(k, v, kn, vn, slots, backend=backend, interpret=True)
+  want = pk.write_kv_reference(k, v, kn, vn, slots)
+  for g, w in zip(got, want):
+    assert g.dtype == dtype
+    np.testing.assert_array_equal(as_np(g), as_np(w))
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_copy_blocks(backend, dtype):
+  k, v, *_ = _cache_inputs(dtype=dtype, kvh=3, bs=32, d=64, num_blocks=9)
+  src = jnp.array([0, 3, -1, 2, 8], jnp.int32)
+  dst = jnp.array([4, 5, 1, -1, 7], jnp.int32)
+  got = pk.copy_blocks(k, v, src, dst, backend=backend, interpret=True)
+  want = pk.copy_blocks_reference(k, v, src, dst)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(as_np(g), as_np(w))
+
+
+def test_auto_backend_on_cpu_is_reference():
+  case = Case(seqs=[(4, 10), (1, 17)])
+  args, kw = case.build()
+  out = pk.ragged_paged_attention(*args, **kw)
+  check(out, pk.ragged_paged_attention_reference(*args, **kw), jnp.float32)
+  q, k, v, bt, sl, _, _ = args
+  out = pk.paged_attention(q[:2], k, v, bt, sl, **kw)
+  check(out, pk.paged_attention_reference(q[:2], k, v, bt, sl, **kw),
+        jnp.float32)
+
+
+def test_donated_pool_is_updated_in_place():
+  k, v, kn, vn, slots = _cache_inputs()
+  want = pk.write_kv_reference(k, v, kn, vn, slots)
+  step = jax.jit(functools.partial(pk.write_kv, backend="tpu", interpret=True),
+                 donate_argnums=(0, 1))
+  got = step(k, v, kn, vn, slots)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_bad_inputs_raise():
+  (q, k, v, bt, sl, qsl, ns), kw = Case(seqs=[(1, 4)]).build()
+  with pytest.raises(ValueError, match="num_kv_heads"):
+    pk.paged_attention(q[:, :3], k, v, bt, sl, **kw)
+  with pytest.raises(ValueError, match="backend"):
+    pk.paged_attention(q, k, v, bt, sl, backend="cuda", **kw)
+  with pytest.raises(ValueError, match="query_start_loc"):
+    pk.ragged_paged_attention(q, k, v, bt, sl, qsl[:-1], ns, **kw)
+  with pytest.raises(ValueError, match="slot_mapping"):
+    pk.write_kv(k, v, q[:, :2], q[:, :2], sl[:0])
+  with pytest.raises(ValueError, match="not supported by the gpu"):
+    pk.paged_attention(q[..., :48], k[..., :48], v[..., :48], bt, sl,
+                       backend="gpu", **kw)
+
+
+# ---------------------------------------------------------------------------
+# Sweeps (pytest -m slow).
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+def test_paged_attention_sweep(block_size, head_dim, group, dtype, backend):
+  bs = block_size
+  case = decode_case([0, 1, bs - 1, bs, bs + 1, 3 * bs, 2048],
+                     block_size=bs, head_dim=head_dim, group=group,
+                     dtype=dtype, seed=bs + head_dim + group)
+  (q, k, v, bt, sl, _, _), kw = case.build()
+  out = pk.paged_attention(q, k, v, bt, sl, backend=backend, interpret=True,
+                           **kw)
+  check(out, pk.paged_attention_reference(q, k, v, bt, sl, **kw), dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+def test_ragged_paged_attention_sweep(block_size, head_dim, group, dtype,
+                                      backend):
+  bs = block_size
+  case = Case(seqs=[(bs, bs), (1, bs + 1), (0, 3), (bs + 1, 3 * bs - 1),
+                    (1, 1), (37, 2048)],
+              block_size=bs, head_dim=head_dim, group=group, dtype=dtype,
+              max_seqs=8, extra_tokens=5, seed=bs + head_dim + group)
+  args, kw = case.build()
+  out = pk.ragged_paged_attention(*args, backend=backend, interpret=True,
+                                  **kw)
+  check(out, pk.ragged_paged_attention_reference(*args, **kw), dtype)
