@@ -18,6 +18,8 @@ class CacheConfig:
     preemption_mode: str = "recompute"        # or "swap"
     swap_space_bytes: int = 4 << 30
     cpu_default_bytes: int = 4 << 30          # pool budget where devices report no memory (CPU)
+    allocator: str = "paged"                  # benchmarks only: "max" | "pow2" | "oracle" reserve
+                                              # contiguous runs per request, as Orca did
 
     def __post_init__(self):
         bs = self.block_size
@@ -31,6 +33,8 @@ class CacheConfig:
             _fail("CacheConfig", "memory_utilization", self.memory_utilization, "must be in (0, 1]")
         if self.preemption_mode not in ("recompute", "swap"):
             _fail("CacheConfig", "preemption_mode", self.preemption_mode, "must be 'recompute' or 'swap'")
+        if self.allocator not in ("paged", "max", "pow2", "oracle"):
+            _fail("CacheConfig", "allocator", self.allocator, "must be 'paged', 'max', 'pow2' or 'oracle'")
         if self.swap_space_bytes < 0:
             _fail("CacheConfig", "swap_space_bytes", self.swap_space_bytes, "must be >= 0")
 

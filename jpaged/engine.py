@@ -61,7 +61,12 @@ class LLMEngine:
             (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ())
         cc = config.cache
         self.num_blocks = self._num_blocks(model)
-        self.kv_cache = KVCacheManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching)
+        if cc.allocator == "paged":
+            self.kv_cache = KVCacheManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching)
+        else:  # a contiguous-reservation baseline, for the paper's comparisons
+            from jpaged.core.reservation import ReservationKVCacheManager
+            self.kv_cache = ReservationKVCacheManager(self.num_blocks, cc.block_size, mode=cc.allocator,
+                                                      max_model_len=self.max_model_len)
         self.scheduler = Scheduler(sc, self.kv_cache)
         self.runner = ModelRunner(model, self.kv_cache, num_blocks=self.num_blocks, dtype=self.dtype,
                                   seed=config.seed)
@@ -155,6 +160,8 @@ class LLMEngine:
         self.validate(token_ids, params)
         request = Request(request_id, text, token_ids, params, next(self._arrivals),
                           eos_token_ids=self.eos_token_ids, cache_salt=cache_salt)
+        request.seqs[0].max_tokens = min(params.max_tokens or self.max_model_len,
+                                         self.max_model_len - len(token_ids))
         self.requests[request_id] = request
         self.scheduler.add_request(request)
         return request

@@ -22,6 +22,7 @@ class Sequence:
     token_ids: list[int]
     num_prompt_tokens: int
     index: int = 0                       # position among the request's outputs
+    max_tokens: int | None = None        # the most output tokens it may get (set by the engine)
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     num_computed_tokens: int = 0         # tokens whose K/V are in the cache
     cumulative_logprob: float = 0.0
@@ -50,7 +51,7 @@ class Sequence:
     def fork(self, index: int) -> "Sequence":
         """A copy sharing history; its blocks are shared through the KV cache manager."""
         return Sequence(token_ids=list(self.token_ids), num_prompt_tokens=self.num_prompt_tokens,
-                        index=index, num_computed_tokens=self.num_computed_tokens,
+                        index=index, max_tokens=self.max_tokens, num_computed_tokens=self.num_computed_tokens,
                         cumulative_logprob=self.cumulative_logprob,
                         logprobs=None if self.logprobs is None else list(self.logprobs),
                         text=self.text, block_hashes=list(self.block_hashes))

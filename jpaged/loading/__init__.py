@@ -32,7 +32,7 @@ def _set(module, path, value):
     if tuple(var.shape) != tuple(value.shape):
         raise ValueError(f"weight {'.'.join(map(str, path))}: checkpoint shape {value.shape} "
                          f"!= model shape {tuple(var.shape)}")
-    var.value = value
+    var.set_value(value)
 
 
 def build_model(config: ModelConfig, weights, *, dtype, attention_backend: str, shard_fn=None):

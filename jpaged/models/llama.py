@@ -114,7 +114,7 @@ class LlamaForCausalLM(nnx.Module):
 
     def init_buffers(self):
         """Recomputes non-parameter state (after creation under `nnx.eval_shape`)."""
-        self.inv_freq.value = jnp.asarray(rope_inv_freq(self.config))
+        self.inv_freq.set_value(jnp.asarray(rope_inv_freq(self.config)))
 
     def __call__(self, input_ids, positions, kv_caches, md: AttentionMetadata):
         x = self.embed_tokens(input_ids)

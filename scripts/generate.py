@@ -1,0 +1,101 @@
+"""Batch generation from the command line.
+
+  python scripts/generate.py                                  # embedded SmolLM2-135M-Instruct
+  python scripts/generate.py --prompt "Tell me a joke" --prompt "What is 2+2?" --temperature 0.7
+  python scripts/generate.py --model path/to/hf_dir --prompts_file prompts.txt --max_tokens 128
+  python scripts/generate.py --config smollm2-135m-instruct --max_num_seqs 32
+"""
+import time
+
+from absl import app, flags
+
+from jpaged import LLM, SamplingParams
+
+DEFAULT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about paging memory.",
+    "Explain in one sentence why the sky is blue.",
+    "List three prime numbers.",
+]
+
+F = flags.FLAGS
+flags.DEFINE_string("model", None, "HF directory, .gguf file or preset; default: embedded SmolLM2-135M-Instruct")
+flags.DEFINE_string("config", None, "Preset from configs/ (model + engine settings); flags override it")
+flags.DEFINE_multi_string("prompt", [], "A prompt (repeat for a batch)")
+flags.DEFINE_string("prompts_file", None, "A file with one prompt per line")
+flags.DEFINE_bool("chat", True, "Wrap prompts in the tokenizer's chat template when it has one")
+flags.DEFINE_bool("print_outputs", True, "Print each completion")
+# Sampling
+flags.DEFINE_integer("n", 1, "Samples per prompt")
+flags.DEFINE_float("temperature", 0.0, "0 = greedy")
+flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass")
+flags.DEFINE_integer("top_k", 0, "Top-k (0 = off)")
+flags.DEFINE_float("min_p", 0.0, "Min-p")
+flags.DEFINE_integer("seed", None, "Per-request sampling seed")
+flags.DEFINE_integer("max_tokens", 64, "Maximum new tokens per sequence")
+flags.DEFINE_integer("min_tokens", 0, "Minimum new tokens before EOS/stop may end a sequence")
+flags.DEFINE_multi_string("stop", [], "Stop string (repeatable)")
+flags.DEFINE_bool("ignore_eos", False, "Keep generating past EOS")
+flags.DEFINE_integer("logprobs", None, "Top log-probabilities to return per token")
+flags.DEFINE_float("presence_penalty", 0.0, "Presence penalty")
+flags.DEFINE_float("frequency_penalty", 0.0, "Frequency penalty")
+flags.DEFINE_float("repetition_penalty", 1.0, "Repetition penalty")
+# Engine (None = the preset's or the engine's default)
+flags.DEFINE_enum("dtype", None, ["auto", "float32", "bfloat16", "float16"], "Weights and KV cache dtype")
+flags.DEFINE_integer("block_size", None, "Tokens per KV block")
+flags.DEFINE_integer("num_kv_blocks", None, "KV pool size in blocks")
+flags.DEFINE_integer("kv_cache_memory_bytes", None, "KV pool size in bytes")
+flags.DEFINE_integer("max_num_seqs", None, "Sequences per step")
+flags.DEFINE_integer("max_num_batched_tokens", None, "Tokens per step")
+flags.DEFINE_integer("max_model_len", None, "Longest prompt + output")
+flags.DEFINE_bool("enable_prefix_caching", None, "Automatic prefix caching")
+flags.DEFINE_enum("preemption_mode", None, ["recompute", "swap"], "How to preempt when the pool is full")
+flags.DEFINE_integer("tensor_parallel_size", None, "Devices to shard attention heads over")
+flags.DEFINE_enum("attention_backend", None, ["auto", "pallas", "xla"], "Attention implementation")
+
+ENGINE_FLAGS = ["dtype", "block_size", "num_kv_blocks", "kv_cache_memory_bytes", "max_num_seqs",
+                "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "preemption_mode",
+                "tensor_parallel_size", "attention_backend"]
+
+
+def read_prompts() -> list[str]:
+    prompts = list(F.prompt)
+    if F.prompts_file:
+        with open(F.prompts_file) as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    return prompts or DEFAULT_PROMPTS
+
+
+def main(argv):
+    del argv
+    engine_kwargs = {k: getattr(F, k) for k in ENGINE_FLAGS if getattr(F, k) is not None}
+    llm = LLM(F.model or F.config, **engine_kwargs)
+    params = SamplingParams(n=F.n, temperature=F.temperature, top_p=F.top_p, top_k=F.top_k, min_p=F.min_p,
+                            seed=F.seed, max_tokens=F.max_tokens, min_tokens=F.min_tokens, stop=F.stop,
+                            ignore_eos=F.ignore_eos, logprobs=F.logprobs, presence_penalty=F.presence_penalty,
+                            frequency_penalty=F.frequency_penalty, repetition_penalty=F.repetition_penalty)
+    prompts = read_prompts()
+    tokenizer = llm.get_tokenizer()
+    if F.chat and tokenizer is not None and tokenizer.chat_template:
+        inputs = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                tokenize=False) for p in prompts]
+    else:
+        inputs = prompts
+    start = time.perf_counter()
+    outputs = llm.generate(inputs, params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    if F.print_outputs:
+        for prompt, out in zip(prompts, outputs):
+            for c in out.outputs:
+                print(f"\n>>> {prompt}\n{c.text}  [{c.finish_reason}, {len(c.token_ids)} tokens]")
+    metrics = llm.get_metrics()
+    n_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    n_in = sum(len(o.prompt_token_ids) for o in outputs)
+    print(f"\n{len(outputs)} requests, {n_in} prompt + {n_out} generated tokens in {elapsed:.2f} s: "
+          f"{n_out / elapsed:.1f} output tok/s, {(n_in + n_out) / elapsed:.1f} total tok/s; "
+          f"peak KV cache usage {metrics['peak_kv_cache_usage']:.1%} of {metrics['num_total_blocks']} blocks, "
+          f"{metrics['num_preemptions']} preemptions, {metrics['num_compilations']} compilations")
+
+
+if __name__ == "__main__":
+    app.run(main)
