@@ -1,0 +1,445 @@
+"""PagedAttention decode kernel: one query token per sequence.
+
+Reads K/V straight from the block pool through the block tables with an
+online (flash) softmax over compute blocks of ``pages_per_compute_block``
+pages; gathered K/V are never materialized in HBM, and only the pages that
+hold a sequence's ``seq_lens[s]`` tokens are read.
+
+Layout (shared by every kernel in this package):
+  q:        ``[num_seqs, num_q_heads, head_dim]``
+  k_pages:  ``[num_kv_heads, num_blocks, block_size, head_dim]`` (v_pages same)
+  block_tables: int32 ``[num_seqs, max_blocks_per_seq]``; entries past a
+    sequence's used blocks may be any valid block id.
+  seq_lens: int32 ``[num_seqs]``.
+  ``num_q_heads = num_kv_heads * group``; query head ``h`` reads kv head
+  ``h // group``.
+
+Backends (``backend=``):
+  * ``"tpu"``: Mosaic TPU. Grid ``(num_seqs, num_kv_heads)``, both parallel
+    (no state crosses grid steps, so megacore can split either axis).
+    ``seq_lens`` and the flattened block tables are scalar-prefetch operands
+    (SMEM); K/V stay in HBM (``pl.ANY``) and each compute block's pages are
+    DMA'd into a double-buffered VMEM scratch, the next block's copies in
+    flight while the current one is computed. Pages past the sequence end are
+    not fetched. All ``group`` query heads sharing a kv head are one
+    ``[group, head_dim]`` tile, so each page is read once per kv head.
+  * ``"gpu"``: Triton (``pallas.triton``). Grid ``(num_seqs, num_kv_heads)``;
+    a program gathers ``pages_per_compute_block`` pages per step by block id.
+    Triton rather than Mosaic GPU because (1) paged access is a gather by a
+    vector of block ids, which Triton lowering supports directly, while
+    Mosaic GPU wants TMA copies and warpgroup-level code; (2) Triton runs on
+    Ampere and Hopper alike, Mosaic GPU targets sm_90+; (3) Triton kernels
+    run under ``interpret=True`` on CPU, so their math is tested here without
+    a GPU. Both lower from CPU with jax 0.10.2. The cost: XLA does not list
+    the Triton custom call (``__gpu$xla.gpu.triton``) as a stable export
+    target, so ``jax.export`` for ``cuda`` needs
+    ``disabled_checks=EXPORT_DISABLED_CHECKS`` (``jax.jit`` is unaffected).
+    Triton needs power-of-two tiles: ``head_dim`` and ``block_size`` must be
+    powers of two; the query-head group is padded to at least 16 rows.
+  * ``"xla"``: the pure-jnp reference (``reference.py``).
+  * ``None``/``"auto"``: ``lax.platform_dependent`` picks the TPU kernel when
+    lowering for TPU, the Triton kernel for CUDA, and the reference elsewhere
+    (CPU, ROCm, or shapes a kernel does not support). With
+    ``interpret=True`` auto means the TPU kernel, interpreted on any host.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plgpu
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import reference
+
+DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+# Pass to ``jax.export.export(..., disabled_checks=EXPORT_DISABLED_CHECKS)``
+# when exporting the Triton (CUDA) kernels; see the module docstring.
+EXPORT_DISABLED_CHECKS = (
+    jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton"),
+)
+
+BACKENDS = (None, "auto", "tpu", "gpu", "xla")
+
+
+# ---------------------------------------------------------------------------
+# Helpers shared by the kernels of this package.
+# ---------------------------------------------------------------------------
+
+
+def is_power_of_2(x: int) -> bool:
+  return x > 0 and x & (x - 1) == 0
+
+
+def next_power_of_2(x: int) -> int:
+  return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def dispatch(
+    backend: str | None,
+    interpret: bool,
+    *,
+    tpu: Callable | None,
+    gpu: Callable | None,
+    xla: Callable,
+) -> Callable:
+  """Chooses an implementation; see the module docstring for the rules.
+
+  ``tpu``/``gpu`` take an ``interpret`` keyword and are ``None`` when the
+  shapes are not supported by that kernel (then the reference is used in
+  auto mode, and an explicit request raises).
+  """
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  if backend == "xla":
+    return xla
+  if backend in ("tpu", "gpu"):
+    impl = tpu if backend == "tpu" else gpu
+    if impl is None:
+      raise ValueError(f"these shapes are not supported by the {backend} "
+                       "kernel; see the module docstring")
+    return functools.partial(impl, interpret=interpret)
+  if interpret:
+    return functools.partial(tpu, interpret=True) if tpu else xla
+
+  def auto(*args):
+    branches = {"default": xla}
+    if tpu is not None:
+      branches["tpu"] = functools.partial(tpu, interpret=False)
+    if gpu is not None:
+      branches["cuda"] = functools.partial(gpu, interpret=False)
+    return lax.platform_dependent(*args, **branches)
+
+  return auto
+
+
+def online_softmax_step(carry, logits, v, mask):
+  """One flash-attention update.
+
+  Args:
+    carry: ``(m, l, acc)``: running max ``[n, 1]``, running sum ``[n, 1]``
+      and unnormalized output ``[n, d]``, all float32.
+    logits: ``[n, t]`` float32 scaled logits.
+    v: ``[t, d]`` values (rows where no query may look must be finite).
+    mask: bool ``[n, t]``, True where a query may look at a key.
+
+  Returns:
+    The new ``(m, l, acc)``.
+  """
+  m_prev, l_prev, acc_prev = carry
+  logits = jnp.where(mask, logits, DEFAULT_MASK_VALUE)
+  m_next = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))
+  p = jnp.where(mask, jnp.exp(logits - m_next), 0.0)
+  alpha = jnp.exp(m_prev - m_next)
+  l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+  pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return m_next, l_next, alpha * acc_prev + pv
+
+
+def init_softmax_carry(n: int, d: int):
+  return (jnp.full((n, 1), -jnp.inf, jnp.float32),
+          jnp.zeros((n, 1), jnp.float32),
+          jnp.zeros((n, d), jnp.float32))
+
+
+def finalize_softmax(carry):
+  """acc / l, with rows that saw no key (l == 0) set to zero."""
+  _, l, acc = carry
+  return jnp.where(l > 0.0, acc / jnp.where(l > 0.0, l, 1.0), 0.0)
+
+
+def qk_logits(q, k, scale):
+  """``scale * q @ k.T`` in float32: q ``[n, d]``, k ``[t, d]``."""
+  s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                      preferred_element_type=jnp.float32)
+  return s * scale
+
+
+class PageCopies:
+  """Async copies of one compute block's pages of one kv head (TPU).
+
+  Copies ``pages[head, block_id]`` for ``pages_per_compute_block`` block ids
+  read from the block table in SMEM into ``buffer.at[slot]``. Page ``j`` is
+  only copied (and waited on) when ``first_page + j < num_pages``, so pages
+  past a sequence's end are never fetched.
+  """
+
+  def __init__(self, k_hbm, v_hbm, k_buf, v_buf, sems, block_tables_ref,
+               table_offset, first_page, num_pages, head, slot):
+    self._copies = []
+    for j in range(k_buf.shape[1]):
+      page = first_page + j
+      page_in_table = jnp.minimum(page, num_pages - 1)
+      block_id = block_tables_ref[table_offset + page_in_table]
+      pair = [pltpu.make_async_copy(src.at[head, block_id], buf.at[slot, j],
+                                    sems.at[kv, slot])
+              for kv, (src, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf)))]
+      self._copies.append((page < num_pages, pair))
+
+  def start(self):
+    for needed, pair in self._copies:
+      @pl.when(needed)
+      def _():
+        for c in pair:
+          c.start()
+
+  def wait(self):
+    for needed, pair in self._copies:
+      @pl.when(needed)
+      def _():
+        for c in pair:
+          c.wait()
+
+
+# ---------------------------------------------------------------------------
+# TPU (Mosaic) kernel.
+# ---------------------------------------------------------------------------
+
+
+def _tpu_kernel(
+    # Scalar prefetch (SMEM).
+    seq_lens_ref,  # [num_seqs]
+    block_tables_ref,  # [num_seqs * pages_per_seq]
+    # Inputs.
+    q_ref,  # [group, head_dim] (VMEM)
+    k_hbm,  # [num_kv_heads, num_blocks, block_size, head_dim] (HBM)
+    v_hbm,  # same
+    # Output.
+    o_ref,  # [group, head_dim]
+    # Scratch.
+    k_buf,  # [2, pages_per_compute_block, block_size, head_dim] (VMEM)
+    v_buf,  # same
+    sems,  # DMA [2 (k, v), 2 (slot)]
+    *,
+    pages_per_seq: int,
+    scale: float,
+):
+  s, h = pl.program_id(0), pl.program_id(1)
+  _, ppcb, block_size, head_dim = k_buf.shape
+  bk = ppcb * block_size
+  group = q_ref.shape[0]
+  seq_len = seq_lens_ref[s]
+  num_pages = pl.cdiv(seq_len, block_size)
+  num_steps = pl.cdiv(seq_len, bk)
+
+  def copies(step, slot):
+    return PageCopies(k_hbm, v_hbm, k_buf, v_buf, sems, block_tables_ref,
+                      s * pages_per_seq, step * ppcb, num_pages, h, slot)
+
+  @pl.when(num_steps > 0)
+  def _():
+    copies(0, 0).start()
+
+  q = q_ref[...].astype(jnp.float32)
+
+  def body(step, carry):
+    slot = step % 2
+
+    @pl.when(step + 1 < num_steps)
+    def _():
+      copies(step + 1, 1 - slot).start()
+
+    copies(step, slot).wait()
+    # Cast before merging (pages, block_size): float32 tiles are (8, 128), so
+    # the merge is layout-free for any block_size that is a multiple of 8.
+    k = k_buf[slot].astype(jnp.float32).reshape(bk, head_dim)
+    v = v_buf[slot].astype(jnp.float32).reshape(bk, head_dim)
+    cols = step * bk + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
+    v = jnp.where(cols < seq_len, v, 0.0)  # unfetched pages hold garbage
+    mask = (step * bk + lax.broadcasted_iota(jnp.int32, (group, bk), 1)
+            < seq_len)
+    return online_softmax_step(carry, qk_logits(q, k, scale), v, mask)
+
+  carry = lax.fori_loop(0, num_steps, body, init_softmax_carry(group, head_dim))
+  o_ref[...] = finalize_softmax(carry).astype(o_ref.dtype)
+
+
+def _paged_attention_tpu(q, k_pages, v_pages, block_tables, seq_lens, *,
+                         scale, pages_per_compute_block, interpret):
+  num_seqs, num_q_heads, head_dim = q.shape
+  num_kv_heads, _, block_size, _ = k_pages.shape
+  group = num_q_heads // num_kv_heads
+  pages_per_seq = block_tables.shape[1]
+  ppcb = min(pages_per_compute_block, pages_per_seq)
+  # [group, head_dim] tiles equal the array's last two dims, so any group is
+  # a legal Mosaic block; q is tiny in decode, so compute in float32.
+  q4 = q.reshape(num_seqs, num_kv_heads, group, head_dim).astype(jnp.float32)
+  qo_spec = pl.BlockSpec((None, None, group, head_dim),
+                         lambda s, h, *_: (s, h, 0, 0))
+  buf = pltpu.VMEM((2, ppcb, block_size, head_dim), k_pages.dtype)
+  out = pl.pallas_call(
+      functools.partial(_tpu_kernel, pages_per_seq=pages_per_seq, scale=scale),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=2,
+          grid=(num_seqs, num_kv_heads),
+          in_specs=[qo_spec, pl.BlockSpec(memory_space=pl.ANY),
+                    pl.BlockSpec(memory_space=pl.ANY)],
+          out_specs=qo_spec,
+          scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2, 2))],
+      ),
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel")),
+      out_shape=jax.ShapeDtypeStruct(q4.shape, jnp.float32),
+      interpret=interpret,
+      name="paged_attention_tpu",
+  )(seq_lens.astype(jnp.int32), block_tables.astype(jnp.int32).reshape(-1),
+    q4, k_pages, v_pages)
+  return out.reshape(q.shape).astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------
+# GPU (Triton) kernel.
+# ---------------------------------------------------------------------------
+
+
+def _gpu_kernel(
+    q_ref,  # [group_padded, head_dim]
+    k_ref,  # [num_blocks, block_size, head_dim] (this kv head)
+    v_ref,  # same
+    block_table_ref,  # [pages_per_seq_padded] (this sequence)
+    seq_len_ref,  # [] (this sequence)
+    o_ref,  # [group_padded, head_dim]
+    *,
+    pages_per_compute_block: int,
+    scale: float,
+):
+  group, head_dim = q_ref.shape
+  block_size = k_ref.shape[1]
+  ppcb = pages_per_compute_block
+  bk = ppcb * block_size
+  seq_len = seq_len_ref[()]
+  q = q_ref[...]
+
+  def body(step, carry):
+    block_ids = block_table_ref[pl.ds(step * ppcb, ppcb)]
+    k = k_ref[block_ids].reshape(bk, head_dim)
+    v = v_ref[block_ids].reshape(bk, head_dim)
+    cols = step * bk + lax.broadcasted_iota(jnp.int32, (group, bk), 1)
+    mask = cols < seq_len
+    v = jnp.where((step * bk + jnp.arange(bk) < seq_len)[:, None], v, 0)
+    return online_softmax_step(carry, qk_logits(q, k, scale), v, mask)
+
+  carry = lax.fori_loop(0, pl.cdiv(seq_len, bk), body,
+                        init_softmax_carry(group, head_dim))
+  o_ref[...] = finalize_softmax(carry).astype(o_ref.dtype)
+
+
+def gpu_supported(head_dim: int, block_size: int) -> bool:
+  return (is_power_of_2(head_dim) and head_dim >= 16
+          and is_power_of_2(block_size))
+
+
+def _paged_attention_gpu(q, k_pages, v_pages, block_tables, seq_lens, *,
+                         scale, pages_per_compute_block, interpret,
+                         num_warps=4, num_stages=2):
+  num_seqs, num_q_heads, head_dim = q.shape
+  num_kv_heads, num_blocks, block_size, _ = k_pages.shape
+  group = num_q_heads // num_kv_heads
+  pages_per_seq = block_tables.shape[1]
+  ppcb = next_power_of_2(min(pages_per_compute_block, pages_per_seq))
+  ppcb = max(ppcb, next_power_of_2(pl.cdiv(16, block_size)))  # dot: K >= 16
+  # Triton dots need M >= 16 rows and power-of-two tiles: pad the group.
+  group_p = max(16, next_power_of_2(group))
+  q4 = q.reshape(num_seqs, num_kv_heads, group, head_dim)
+  q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, group_p - group), (0, 0)))
+  # Pad the table so every compute block's slice stays in bounds.
+  tables = jnp.pad(block_tables.astype(jnp.int32),
+                   ((0, 0), (0, -pages_per_seq % ppcb)))
+  qo_spec = pl.BlockSpec((None, None, group_p, head_dim),
+                         lambda s, h: (s, h, 0, 0))
+  kv_spec = pl.BlockSpec((None, num_blocks, block_size, head_dim),
+                         lambda s, h: (h, 0, 0, 0))
+  out = pl.pallas_call(
+      functools.partial(_gpu_kernel, pages_per_compute_block=ppcb, scale=scale),
+      grid=(num_seqs, num_kv_heads),
+      in_specs=[qo_spec, kv_spec, kv_spec,
+                pl.BlockSpec((None, tables.shape[1]), lambda s, h: (s, 0)),
+                pl.BlockSpec((None,), lambda s, h: (s,))],
+      out_specs=qo_spec,
+      out_shape=jax.ShapeDtypeStruct(q4.shape, q.dtype),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps,
+                                           num_stages=num_stages),
+      interpret=interpret,
+      name="paged_attention_gpu",
+  )(q4, k_pages, v_pages, tables, seq_lens.astype(jnp.int32))
+  return out[:, :, :group].reshape(q.shape)
+
+
+# ---------------------------------------------------------------------------
+# Public entry point.
+# ---------------------------------------------------------------------------
+
+
+def check_attention_shapes(q, k_pages, v_pages, block_tables, seq_lens):
+  num_q_heads, head_dim = q.shape[1:]
+  if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+    raise ValueError("k_pages and v_pages must both be [num_kv_heads, "
+                     f"num_blocks, block_size, head_dim]; got {k_pages.shape} "
+                     f"and {v_pages.shape}")
+  num_kv_heads = k_pages.shape[0]
+  if num_q_heads % num_kv_heads:
+    raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of "
+                     f"num_kv_heads={num_kv_heads}")
+  if k_pages.shape[-1] != head_dim:
+    raise ValueError(f"q head_dim {head_dim} != k_pages head_dim "
+                     f"{k_pages.shape[-1]}")
+  if block_tables.ndim != 2 or seq_lens.shape != block_tables.shape[:1]:
+    raise ValueError("block_tables must be [num_seqs, max_blocks] and "
+                     f"seq_lens [num_seqs]; got {block_tables.shape}, "
+                     f"{seq_lens.shape}")
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=["scale", "pages_per_compute_block", "backend",
+                     "interpret"])
+def paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    scale: float,
+    pages_per_compute_block: int = 8,
+    backend: str | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+  """Decode attention over the paged KV pool.
+
+  Args:
+    q: ``[num_seqs, num_q_heads, head_dim]``, one query token per sequence.
+    k_pages, v_pages: ``[num_kv_heads, num_blocks, block_size, head_dim]``.
+    block_tables: int32 ``[num_seqs, max_blocks_per_seq]``.
+    seq_lens: int32 ``[num_seqs]``; sequence ``s`` attends to positions
+      ``0 .. seq_lens[s] - 1``. A zero length gives a zero output row.
+    scale: softmax scale applied to ``q @ k``.
+    pages_per_compute_block: pages per online-softmax step (clipped to
+      ``max_blocks_per_seq``; rounded up to a power of two on GPU).
+    backend: ``None``/``"auto"``, ``"tpu"``, ``"gpu"`` or ``"xla"``; see the
+      module docstring.
+    interpret: run the Pallas kernel in interpret mode (any host).
+
+  Returns:
+    ``[num_seqs, num_q_heads, head_dim]`` in ``q.dtype`` (float32
+    accumulation).
+  """
+  check_attention_shapes(q, k_pages, v_pages, block_tables, seq_lens)
+  if pages_per_compute_block < 1:
+    raise ValueError(f"{pages_per_compute_block=} must be >= 1")
+  knobs = dict(scale=scale, pages_per_compute_block=pages_per_compute_block)
+  head_dim, block_size = q.shape[-1], k_pages.shape[2]
+  impl = dispatch(
+      backend, interpret,
+      tpu=functools.partial(_paged_attention_tpu, **knobs),
+      gpu=(functools.partial(_paged_attention_gpu, **knobs)
+           if gpu_supported(head_dim, block_size) else None),
+      xla=functools.partial(reference.paged_attention_reference, scale=scale))
+  return impl(q, k_pages, v_pages, block_tables, seq_lens)
