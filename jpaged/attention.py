@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import pallas_kernels
+
 PREFILL_CHUNK = 16
 
 
@@ -53,19 +55,6 @@ class AttentionMetadata:
     token_to_row: jax.Array
 
 
-def write_kv(k_pages, v_pages, k_new, v_new, slot_mapping):
-    """Scatters [T, Hkv, D] new keys/values into their slots; negative slots are skipped."""
-    h, nb, bs, d = k_pages.shape
-    slots = jnp.where(slot_mapping < 0, nb * bs, slot_mapping)  # out of range -> dropped
-
-    def put(pages, new):
-        flat = pages.reshape(h, nb * bs, d)
-        flat = flat.at[:, slots].set(jnp.swapaxes(new, 0, 1).astype(pages.dtype), mode="drop")
-        return flat.reshape(h, nb, bs, d)
-
-    return put(k_pages, k_new), put(v_pages, v_new)
-
-
 def xla_paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale):
     """Attention of flat query tokens [T, Hq, D] over their sequences' blocks, in plain jnp."""
     t, hq, d = q.shape
@@ -94,18 +83,23 @@ def xla_paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale):
     return rows[md.token_to_row].astype(q.dtype)
 
 
+def _interpret() -> bool:
+    return jax.default_backend() not in ("tpu", "gpu")
+
+
 def pallas_paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale):
     """The ragged Pallas kernel over the flat token batch (interpret mode off TPU/GPU)."""
-    try:
-        from pallas_kernels import ragged_paged_attention
-    except ImportError as e:  # pragma: no cover - the kernels ship with jpaged
-        raise NotImplementedError("attention_backend='pallas' needs pallas_kernels") from e
-    interpret = jax.default_backend() not in ("tpu", "gpu")
-    return ragged_paged_attention(q, k_pages, v_pages, md.block_tables, md.seq_lens,
-                                  md.query_start_loc, md.num_seqs, scale=scale, interpret=interpret)
+    return pallas_kernels.ragged_paged_attention(q, k_pages, v_pages, md.block_tables, md.seq_lens,
+                                                 md.query_start_loc, md.num_seqs, scale=scale,
+                                                 interpret=_interpret())
 
 
-BACKENDS = {"xla": xla_paged_attention, "pallas": pallas_paged_attention}
+def pallas_write_kv(k_pages, v_pages, k_new, v_new, slot_mapping):
+    return pallas_kernels.write_kv(k_pages, v_pages, k_new, v_new, slot_mapping, interpret=_interpret())
+
+
+BACKENDS = {"xla": (pallas_kernels.write_kv_reference, xla_paged_attention),
+            "pallas": (pallas_write_kv, pallas_paged_attention)}
 
 
 class PagedAttention(nnx.Module):
@@ -126,6 +120,7 @@ class PagedAttention(nnx.Module):
         self.backend = backend
 
     def __call__(self, q, k, v, kv_cache, md: AttentionMetadata):
-        k_pages, v_pages = write_kv(*kv_cache, k, v, md.slot_mapping)
-        out = BACKENDS[self.backend](q, k_pages, v_pages, md, scale=self.scale)
+        write, attend = BACKENDS[self.backend]
+        k_pages, v_pages = write(*kv_cache, k, v, md.slot_mapping)
+        out = attend(q, k_pages, v_pages, md, scale=self.scale)
         return out, (k_pages, v_pages)

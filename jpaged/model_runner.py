@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import pallas_kernels
+
 from jpaged.attention import PREFILL_CHUNK, AttentionMetadata
 from jpaged.core.kv_cache_manager import KVCacheManager
 from jpaged.core.scheduler import SchedulerOutput
@@ -43,11 +45,7 @@ class StepResult:
 
 
 def _copy_blocks(kv_caches, src, dst):
-    def copy(pages):
-        nb = pages.shape[1]
-        return pages.at[:, jnp.where(dst < 0, nb, dst)].set(pages[:, jnp.maximum(src, 0)], mode="drop")
-
-    return [(copy(k), copy(v)) for k, v in kv_caches]
+    return [pallas_kernels.copy_blocks(k, v, src, dst) for k, v in kv_caches]
 
 
 class ModelRunner:
