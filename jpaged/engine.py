@@ -188,24 +188,41 @@ class LLMEngine:
         self.peak_kv_cache_usage = max(self.peak_kv_cache_usage, self.kv_cache.usage())
         if not sched.scheduled:
             return []
-        samples = {id(sr): sr.samples for sr in sched.scheduled}
         result = self.runner.execute(sched)
-        touched: dict[str, Request] = {}
-        for i, (sr, seq) in enumerate(result.rows):
-            request = sr.request
-            touched[request.request_id] = request
-            seq.num_computed_tokens += sr.num_new_tokens
-            self.kv_cache.cache_full_blocks(seq, request.cache_salt)
-            if samples[id(sr)]:
-                self._append_token(request, seq, int(result.tokens[i]), float(result.logprobs[i]),
-                                   result.top_ids[i], result.top_logprobs[i])
+        for sr in sched.scheduled:
+            for seq in sr.request.live_seqs:
+                seq.num_computed_tokens += sr.num_new_tokens
+        samples: dict[str, list] = {}
+        for i, row in enumerate(result.rows):
+            samples.setdefault(row.request.request_id, []).append(
+                (row, int(result.tokens[i]), float(result.logprobs[i]), result.top_ids[i], result.top_logprobs[i]))
+        for request_samples in samples.values():
+            self._process_samples(request_samples)
         outputs = []
-        for request in touched.values():
+        for sr in sched.scheduled:
+            request = sr.request
             if request.finished:
                 self.scheduler.finish(request)
                 self.requests.pop(request.request_id, None)
+            else:
+                for seq in request.seqs:  # a finished sample returns its blocks at once
+                    if seq.finished and self.kv_cache.block_table(seq):
+                        self.kv_cache.free(seq)
             outputs.append(self._output(request))
         return outputs
+
+    def _process_samples(self, rows: list) -> None:
+        """Appends one request's sampled tokens; forks the prompt sequence on its first n > 1 sample."""
+        request = rows[0][0].request
+        if len(rows) > 1 and len(request.seqs) == 1:
+            parent = request.seqs[0]
+            for row, *_ in rows[1:]:
+                child = parent.fork(row.sample_index)
+                self.kv_cache.fork(parent, child)
+                request.seqs.append(child)
+                row.seq = child
+        for row, token, logprob, top_ids, top_lps in rows:
+            self._append_token(request, row.seq, token, logprob, top_ids, top_lps)
 
     def _append_token(self, request: Request, seq: Sequence, token: int, logprob: float, top_ids, top_lps):
         params = request.sampling_params

@@ -37,6 +37,35 @@ class LLM:
         llm.llm_engine, llm._next_id = engine, 0
         return llm
 
+    @classmethod
+    def from_model(cls, model, tokenizer=None, **kwargs) -> "LLM":
+        """Serves an NNX model already in memory (its parameter arrays as they are, not copied).
+
+        ``model`` has the jpaged model interface (``.config`` a ModelConfig, ``__call__(input_ids,
+        positions, kv_caches, md)``, ``compute_logits``), e.g. a `jpaged.models` class or a custom
+        one built on `jpaged.attention.PagedAttention`. ``tokenizer``: a transformers or
+        `tokenizers` tokenizer, or None (then prompts are token ids). ``kwargs``: the engine
+        settings of ``LLM(...)``; ``dtype`` (the KV cache's) defaults to the model's parameter
+        dtype. The attention backend is the one the model was built with.
+        """
+        import jax
+        from flax import nnx
+
+        from jpaged.loading.orbax_checkpoint import as_hf_tokenizer
+        from jpaged.models import ModelConfig
+
+        if "model" in kwargs:
+            raise ValueError("model: from_model takes the model object itself, not a path")
+        if not isinstance(getattr(model, "config", None), ModelConfig) or not hasattr(model, "compute_logits"):
+            raise ValueError(f"model: {type(model).__name__} lacks the jpaged model interface "
+                             "(a ModelConfig `.config` and `compute_logits`)")
+        if "dtype" not in kwargs:
+            floats = [x.dtype.name for x in jax.tree.leaves(nnx.state(model, nnx.Param))
+                      if x.dtype.name in ("float32", "bfloat16", "float16")]
+            kwargs["dtype"] = floats[0] if floats else "auto"
+        engine = LLMEngine(engine_config(None, **kwargs), model=model, tokenizer=as_hf_tokenizer(tokenizer))
+        return cls.from_engine(engine)
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

@@ -34,10 +34,23 @@ def _pad(rows: list, width: int, fill: int) -> np.ndarray:
 
 
 @dataclasses.dataclass
-class StepResult:
-    """Sampled tokens, one per row; ``rows[i]`` is the (ScheduledRequest, Sequence) of row i."""
+class SampleRow:
+    """One row of logits to sample from: the sequence, and which of its request's samples it is.
 
-    rows: list
+    The first sampling step of a request with ``n > 1`` has n rows on the one prompt sequence; the
+    engine then forks the sequence so each sample continues on its own.
+    """
+
+    request: object
+    seq: object
+    sample_index: int
+
+
+@dataclasses.dataclass
+class StepResult:
+    """Sampled tokens, one per sample row."""
+
+    rows: list[SampleRow]
     tokens: np.ndarray
     logprobs: np.ndarray
     top_ids: np.ndarray
@@ -93,6 +106,7 @@ class ModelRunner:
     def prepare(self, sched: SchedulerOutput):
         bs = self.block_size
         rows, input_ids, positions, slots, seq_lens, tables = [], [], [], [], [], []
+        sample_rows, logits_indices = [], []
         query_start_loc = [0]
         decode_chunks, prefill_chunks = [], []  # (row, first token, num tokens)
         for sr in sched.scheduled:
@@ -113,6 +127,12 @@ class ModelRunner:
                     prefill_chunks += [(len(rows), first + c, min(PREFILL_CHUNK, n - c))
                                        for c in range(0, n, PREFILL_CHUNK)]
                 rows.append((sr, seq))
+                if sr.samples:
+                    request = sr.request
+                    first_of_many = len(request.seqs) == 1 and request.sampling_params.n > 1
+                    for index in range(request.sampling_params.n) if first_of_many else [seq.index]:
+                        sample_rows.append(SampleRow(request, seq, index))
+                        logits_indices.append(first + n - 1)
         t, s = len(input_ids), len(rows)
         t_pad, s_pad = bucket(t, 16), bucket(s, 8)
         b_pad = bucket(max(len(tb) for tb in tables), 4)
@@ -139,26 +159,26 @@ class ModelRunner:
             positions=np.concatenate(positions + [np.zeros(t_pad - t, np.int64)]).astype(np.int32),
             chunk_groups=tuple(groups),
             token_to_row=token_to_row)
-        logits_indices = np.zeros(s_pad, np.int32)
-        logits_indices[:s] = np.asarray(query_start_loc[1:]) - 1
+        padded_logits_indices = np.zeros(bucket(len(logits_indices), 8), np.int32)
+        padded_logits_indices[:len(logits_indices)] = logits_indices
         ids = np.zeros(t_pad, np.int32)
         ids[:t] = input_ids
-        return rows, {"input_ids": ids, "md": md, "logits_indices": logits_indices}
+        return sample_rows, {"input_ids": ids, "md": md, "logits_indices": padded_logits_indices}
 
-    def sampling_tensors(self, rows, s_pad: int) -> SamplingTensors:
+    def sampling_tensors(self, rows: list[SampleRow], s_pad: int) -> SamplingTensors:
         f32 = lambda vals, fill: np.array(vals + [fill] * (s_pad - len(vals)), np.float32)  # noqa: E731
-        params = [sr.request.sampling_params for sr, _ in rows]
+        params = [row.request.sampling_params for row in rows]
         seeds, banned = [], []
-        for (sr, seq), p in zip(rows, params):
-            base = p.seed if p.seed is not None else f"{self.seed}/{sr.request.request_id}"
-            seeds.append(zlib.crc32(f"{base}/{seq.index}".encode()))
+        for row, p in zip(rows, params):
+            base = p.seed if p.seed is not None else f"{self.seed}/{row.request.request_id}"
+            seeds.append(zlib.crc32(f"{base}/{row.sample_index}".encode()))
             ban = []
-            if seq.num_output_tokens < p.min_tokens:
-                ban = list(sr.request.eos_token_ids) + p.stop_token_ids
+            if row.seq.num_output_tokens < p.min_tokens:
+                ban = list(row.request.eos_token_ids) + p.stop_token_ids
             banned.append(ban)
         use_penalties = any(p.uses_penalties for p in params)
-        out_ids = [seq.output_token_ids for _, seq in rows] if use_penalties else []
-        prompt_ids = [seq.token_ids[:seq.num_prompt_tokens] for _, seq in rows] if use_penalties else []
+        out_ids = [row.seq.output_token_ids for row in rows] if use_penalties else []
+        prompt_ids = [row.seq.token_ids[:row.seq.num_prompt_tokens] for row in rows] if use_penalties else []
         pad_rows = lambda rs: _pad(rs + [[]] * (s_pad - len(rs)), bucket(max(map(len, rs), default=0), 0), -1)  # noqa: E731
         return SamplingTensors(
             temperature=f32([p.temperature for p in params], 0.0),
@@ -166,14 +186,14 @@ class ModelRunner:
             top_p=f32([p.top_p for p in params], 1.0),
             min_p=f32([p.min_p for p in params], 0.0),
             seeds=np.array(seeds + [0] * (s_pad - len(rows)), np.uint32),
-            steps=np.array([seq.num_output_tokens for _, seq in rows] + [0] * (s_pad - len(rows)), np.int32),
+            steps=np.array([row.seq.num_output_tokens for row in rows] + [0] * (s_pad - len(rows)), np.int32),
             presence_penalty=f32([p.presence_penalty for p in params], 0.0),
             frequency_penalty=f32([p.frequency_penalty for p in params], 0.0),
             repetition_penalty=f32([p.repetition_penalty for p in params], 1.0),
             output_token_ids=pad_rows(out_ids) if use_penalties else np.zeros((s_pad, 0), np.int32),
             prompt_token_ids=pad_rows(prompt_ids) if use_penalties else np.zeros((s_pad, 0), np.int32),
             banned_token_ids=pad_rows(banned),
-            num_logprobs=bucket(max((p.logprobs or 0) for p in params), 0),
+            num_logprobs=bucket(max(((p.logprobs or 0) for p in params), default=0), 0),
             use_filters=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
             use_penalties=use_penalties,
             all_greedy=all(p.temperature == 0 for p in params))

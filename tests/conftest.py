@@ -42,7 +42,7 @@ def _save(tmp_path_factory, name, config, with_tokenizer=False):
 
 
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              vocab_size=256, max_position_embeddings=1024, initializer_range=0.1,
+              vocab_size=256, max_position_embeddings=2048, initializer_range=0.1,
               bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 

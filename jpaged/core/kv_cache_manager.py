@@ -108,12 +108,19 @@ class KVCacheManager:
         self.prefix_cache_hits += seq.num_computed_tokens
         return seq.num_computed_tokens
 
-    def cache_full_blocks(self, seq: Sequence, cache_salt: str | None = None) -> None:
-        """Registers the sequence's newly full, computed blocks in the prefix cache."""
+    def cache_full_blocks(self, seq: Sequence, cache_salt: str | None = None, num_tokens: int | None = None) -> None:
+        """Registers the sequence's newly full blocks in the prefix cache.
+
+        ``num_tokens`` (default: the computed ones) is how many tokens will be in the cache once the
+        step being scheduled has run. Registering at schedule time is safe: a request that reuses
+        such a block in the same step reads it only after the step's layer has written it (each
+        layer writes the K/V of every token in the batch before any of them attends).
+        """
         if not self.enable_prefix_caching:
             return
         bs, table = self.block_size, self.block_table(seq)
-        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+        num_tokens = seq.num_computed_tokens if num_tokens is None else num_tokens
+        for i in range(len(seq.block_hashes), num_tokens // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else self._root_hash(cache_salt)
             chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             block_hash = hash((parent, chunk))

@@ -67,8 +67,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                for seq in seqs:
-                    self.kv_cache.allocate(seq, n)
+                self._allocate(request, n)
                 out.scheduled.append(ScheduledRequest(request, n))
                 budget -= n * len(seqs)
                 num_seqs += len(seqs)
@@ -93,8 +92,7 @@ class Scheduler:
                         s.num_computed_tokens = 0
                 break
             self.waiting.popleft()
-            for seq in seqs:
-                self.kv_cache.allocate(seq, n)
+            self._allocate(request, n)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, n))
@@ -102,6 +100,11 @@ class Scheduler:
             num_seqs += len(seqs)
         out.block_copies = self.kv_cache.take_pending_copies()
         return out
+
+    def _allocate(self, request: Request, num_new_tokens: int) -> None:
+        for seq in request.live_seqs:
+            self.kv_cache.allocate(seq, num_new_tokens)
+            self.kv_cache.cache_full_blocks(seq, request.cache_salt, seq.num_computed_tokens + num_new_tokens)
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: all of the request's blocks go back; it waits at the front."""

@@ -1,4 +1,5 @@
-"""Turns a model reference (HF directory or GGUF file) into a loaded NNX model and tokenizer."""
+"""Turns a model reference (HF directory, GGUF file or jpaged orbax checkpoint directory) into a
+loaded NNX model and tokenizer."""
 import os
 
 import jax
@@ -6,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jpaged.loading import hf_checkpoint
+from jpaged.loading import hf_checkpoint, orbax_checkpoint
 from jpaged.models import ModelConfig, model_class
 
 
@@ -17,6 +18,8 @@ def read_checkpoint(path: str):
 
         hf_config, weights, tokenizer = load_gguf(path)
         return hf_config, weights.items(), tokenizer
+    if os.path.isdir(path) and orbax_checkpoint.is_orbax_checkpoint(path):
+        return orbax_checkpoint.read_as_hf(path)
     if os.path.isdir(path):
         if not os.path.exists(os.path.join(path, "config.json")):
             raise ValueError(f"model={path!r}: directory has no config.json")
@@ -59,6 +62,8 @@ def build_model(config: ModelConfig, weights, *, dtype, attention_backend: str, 
 
 
 def load_model(path: str, *, dtype, attention_backend: str):
+    if os.path.isdir(path) and orbax_checkpoint.is_orbax_checkpoint(path):
+        return orbax_checkpoint.load_checkpoint(path, dtype=dtype, attention_backend=attention_backend)
     hf_config, weights, tokenizer = read_checkpoint(path)
     config = ModelConfig.from_hf(hf_config)
     model = build_model(config, weights, dtype=dtype, attention_backend=attention_backend)
