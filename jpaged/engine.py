@@ -67,7 +67,8 @@ class LLMEngine:
             from jpaged.core.reservation import ReservationKVCacheManager
             self.kv_cache = ReservationKVCacheManager(self.num_blocks, cc.block_size, mode=cc.allocator,
                                                       max_model_len=self.max_model_len)
-        self.scheduler = Scheduler(sc, self.kv_cache)
+        self.scheduler = Scheduler(sc, self.kv_cache, preemption_mode=cc.preemption_mode,
+                                   swap_capacity_blocks=cc.swap_space_bytes // self._kv_bytes_per_block())
         self.runner = ModelRunner(model, self.kv_cache, num_blocks=self.num_blocks, dtype=self.dtype,
                                   seed=config.seed)
         self.requests: dict[str, Request] = {}
@@ -173,6 +174,7 @@ class LLMEngine:
         for seq in request.live_seqs:
             seq.finish_reason = "abort"
         self.scheduler.finish(request)
+        self.runner.discard_swapped(s.seq_id for s in request.seqs)
         return self._output(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -282,6 +284,7 @@ class LLMEngine:
             "num_total_blocks": pool.num_blocks,
             "num_free_blocks": pool.num_free_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_swap_outs": self.scheduler.num_swap_outs,
             "prefix_cache_queries": self.kv_cache.prefix_cache_queries,
             "prefix_cache_hits": self.kv_cache.prefix_cache_hits,
             "num_compilations": self.runner.num_compilations,

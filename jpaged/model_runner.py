@@ -57,6 +57,18 @@ class StepResult:
     top_logprobs: np.ndarray
 
 
+def _gather_blocks(kv_caches, blocks):
+    """[L, 2, Hkv, len(blocks), block_size, D]: the blocks of every layer, for the host."""
+    return jnp.stack([jnp.stack([k[:, blocks], v[:, blocks]]) for k, v in kv_caches])
+
+
+def _scatter_blocks(kv_caches, blocks, data):
+    nb = kv_caches[0][0].shape[1]
+    dst = jnp.where(blocks < 0, nb, blocks)
+    return [(k.at[:, dst].set(data[i, 0], mode="drop"), v.at[:, dst].set(data[i, 1], mode="drop"))
+            for i, (k, v) in enumerate(kv_caches)]
+
+
 def _copy_blocks(kv_caches, src, dst):
     return [pallas_kernels.copy_blocks(k, v, src, dst) for k, v in kv_caches]
 
@@ -73,6 +85,9 @@ class ModelRunner:
         self.kv_caches = [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(c.num_layers)]
         self._step = jax.jit(self._step_fn, donate_argnums=(1,))
         self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
+        self._gather = jax.jit(_gather_blocks)
+        self._scatter = jax.jit(_scatter_blocks, donate_argnums=(0,))
+        self.host_blocks: dict[int, np.ndarray] = {}  # seq_id -> swapped-out blocks (host memory)
 
     @property
     def num_compilations(self) -> int:
@@ -94,7 +109,38 @@ class ModelRunner:
         src[:len(copies)], dst[:len(copies)] = zip(*copies)
         self.kv_caches = self._copy(self.kv_caches, src, dst)
 
+    def swap_out(self, swaps: list[tuple[int, list[int]]]) -> None:
+        """Copies preempted sequences' blocks to host memory (one device -> host transfer)."""
+        if not swaps:
+            return
+        blocks = [b for _, table in swaps for b in table]
+        padded = np.zeros(bucket(len(blocks), 4), np.int32)
+        padded[:len(blocks)] = blocks
+        data = np.asarray(self._gather(self.kv_caches, padded))
+        start = 0
+        for seq_id, table in swaps:
+            self.host_blocks[seq_id] = data[:, :, :, start:start + len(table)]
+            start += len(table)
+
+    def swap_in(self, swaps: list[tuple[int, list[int]]]) -> None:
+        """Writes swapped sequences back into their new blocks (one host -> device transfer)."""
+        if not swaps:
+            return
+        data = np.concatenate([self.host_blocks.pop(seq_id) for seq_id, _ in swaps], axis=3)
+        blocks = [b for _, table in swaps for b in table]
+        n = bucket(len(blocks), 4)
+        padded = np.full(n, -1, np.int32)
+        padded[:len(blocks)] = blocks
+        pad = np.zeros(data.shape[:3] + (n - len(blocks),) + data.shape[4:], data.dtype)
+        self.kv_caches = self._scatter(self.kv_caches, padded, np.concatenate([data, pad], axis=3))
+
+    def discard_swapped(self, seq_ids) -> None:
+        for seq_id in seq_ids:
+            self.host_blocks.pop(seq_id, None)
+
     def execute(self, sched: SchedulerOutput) -> StepResult:
+        self.swap_out(sched.swap_out)  # before anything this step writes into the freed blocks
+        self.swap_in(sched.swap_in)
         self.copy_blocks(sched.block_copies)
         rows, batch = self.prepare(sched)
         sampling = self.sampling_tensors(rows, batch["logits_indices"].shape[0])

@@ -96,3 +96,23 @@ def test_cache_salt_isolates_prefixes(llama_dir):
         while engine.has_unfinished_requests():
             outs = engine.step()
         assert outs[0].num_cached_tokens == (32 if i == 2 else 0)
+
+
+def test_swap_and_recompute_preemption_give_the_unpreempted_tokens(llama_dir):
+    prompts = random_prompts(np.random.default_rng(7), [30, 50, 70, 90, 20, 60])
+    params = SamplingParams(temperature=0.7, seed=11, max_tokens=40, ignore_eos=True)
+    runs = {}
+    for name, kw in {"roomy": dict(num_kv_blocks=200),
+                     "recompute": dict(num_kv_blocks=22, preemption_mode="recompute"),
+                     "swap": dict(num_kv_blocks=22, preemption_mode="swap"),
+                     "swap_full": dict(num_kv_blocks=22, preemption_mode="swap", swap_space_bytes=1)}.items():
+        llm = LLM(llama_dir[0], block_size=8, max_model_len=256, max_num_batched_tokens=128, **kw)
+        runs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        m = llm.get_metrics()
+        assert (m["num_preemptions"] > 0) == (name != "roomy"), name
+        assert (m["num_swap_outs"] > 0) == (name == "swap"), name
+        assert llm.llm_engine.scheduler.num_swapped_blocks == 0 and not llm.llm_engine.runner.host_blocks
+        blocks_at_peak(llm)
+    assert runs["recompute"] == runs["roomy"]
+    assert runs["swap"] == runs["roomy"]
+    assert runs["swap_full"] == runs["roomy"]  # falls back to recompute
