@@ -9,6 +9,7 @@ import os
 import jax
 import jax.numpy as jnp
 
+from jpaged import beam_search
 from jpaged.config import EngineConfig
 from jpaged.core.kv_cache_manager import KVCacheManager, cdiv
 from jpaged.core.scheduler import Scheduler, SchedulerOutput
@@ -17,7 +18,7 @@ from jpaged.loading import load_model
 from jpaged.model_runner import ModelRunner
 from jpaged.outputs import CompletionOutput, RequestOutput
 from jpaged.request import Request, Sequence
-from jpaged.sampling_params import SamplingParams
+from jpaged.sampling_params import BeamSearchParams, SamplingParams
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -129,8 +130,10 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError(f"prompt: expected str, list[int] or dict, got {type(prompt).__name__}")
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams | BeamSearchParams) -> None:
         """Every check on a request, before it touches the scheduler or the device."""
+        if isinstance(params, BeamSearchParams):
+            params = SamplingParams(n=params.beam_width, max_tokens=params.max_tokens)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         params.validate()
@@ -151,16 +154,23 @@ class LLMEngine:
             raise ValueError(f"num_kv_blocks={self.num_blocks}: too small for this request, which may need "
                              f"{need} blocks of {bs} tokens ({params.n} x {max_len} tokens)")
 
-    def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
+    def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | BeamSearchParams | None = None,
                     *, cache_salt: str | None = None) -> Request:
+        """Queues a request; with `BeamSearchParams` it is a beam search (beams scheduled together)."""
         request_id = str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id={request_id!r}: already in use")
         params = sampling_params or SamplingParams()
         text, token_ids = self.tokenize(prompt)
         self.validate(token_ids, params)
+        beam = None
+        if isinstance(params, BeamSearchParams):
+            max_new = min(params.max_tokens, self.max_model_len - len(token_ids))
+            beam = beam_search.BeamState(params, max_new)
+            params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=params.ignore_eos)
+            params.logprobs = 2 * beam.params.beam_width  # each beam's top 2k next tokens
         request = Request(request_id, text, token_ids, params, next(self._arrivals),
-                          eos_token_ids=self.eos_token_ids, cache_salt=cache_salt)
+                          eos_token_ids=self.eos_token_ids, cache_salt=cache_salt, beam=beam)
         request.seqs[0].max_tokens = min(params.max_tokens or self.max_model_len,
                                          self.max_model_len - len(token_ids))
         self.requests[request_id] = request
@@ -216,6 +226,8 @@ class LLMEngine:
     def _process_samples(self, rows: list) -> None:
         """Appends one request's sampled tokens; forks the prompt sequence on its first n > 1 sample."""
         request = rows[0][0].request
+        if request.beam is not None:
+            return self._beam_step(request, rows)
         if len(rows) > 1 and len(request.seqs) == 1:
             parent = request.seqs[0]
             for row, *_ in rows[1:]:
@@ -225,6 +237,31 @@ class LLMEngine:
                 row.seq = child
         for row, token, logprob, top_ids, top_lps in rows:
             self._append_token(request, row.seq, token, logprob, top_ids, top_lps)
+
+    def _beam_step(self, request: Request, rows: list) -> None:
+        """Picks the next beams; a beam chosen twice forks (shares blocks), one not chosen is freed."""
+        state = request.beam
+        width = 2 * state.params.beam_width
+        candidates = [beam_search.Candidate(row.seq.cumulative_logprob + float(lp), row.seq, int(t))
+                      for row, _, _, top_ids, top_lps in rows for t, lp in zip(top_ids[:width], top_lps[:width])]
+        gen_len = rows[0][0].seq.num_output_tokens
+        chosen = beam_search.select(state, candidates, gen_len, request.eos_token_ids)
+        beams, kept = [], set()
+        for c in chosen:  # fork first, from parents that have not taken their new token yet
+            if id(c.parent) in kept:
+                seq = c.parent.fork(len(beams))
+                self.kv_cache.fork(c.parent, seq)
+            else:
+                kept.add(id(c.parent))
+                seq = c.parent
+            beams.append((seq, c))
+        for seq in request.seqs:
+            if id(seq) not in kept:
+                self.kv_cache.free(seq)
+        for i, (seq, c) in enumerate(beams):
+            seq.token_ids.append(c.token)
+            seq.cumulative_logprob, seq.index = c.score, i
+        request.seqs = [seq for seq, _ in beams]
 
     def _append_token(self, request: Request, seq: Sequence, token: int, logprob: float, top_ids, top_lps):
         params = request.sampling_params
@@ -266,10 +303,31 @@ class LLMEngine:
             seq.finish_reason = "length"
 
     def _output(self, request: Request) -> RequestOutput:
+        if request.beam is not None:
+            return self._beam_output(request)
         completions = [CompletionOutput(index=s.index, text=s.text, token_ids=list(s.output_token_ids),
                                         cumulative_logprob=s.cumulative_logprob, logprobs=s.logprobs,
                                         finish_reason=s.finish_reason, stop_reason=s.stop_reason)
                        for s in request.seqs]
+        return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
+                             completions, request.finished, request.num_cached_tokens)
+
+    def _beam_output(self, request: Request) -> RequestOutput:
+        """Finished hypotheses best first (the running beams while the search goes on)."""
+        if request.finished:
+            hyps = request.beam.finished
+        else:
+            hyps = [beam_search.Hypothesis(s.cumulative_logprob, s.cumulative_logprob, s.output_token_ids)
+                    for s in request.seqs]
+        completions = []
+        for i, h in enumerate(hyps):
+            ended_by_eos = bool(h.token_ids) and h.token_ids[-1] in request.eos_token_ids \
+                and not request.beam.params.ignore_eos
+            text = self.tokenizer.decode(h.token_ids, skip_special_tokens=True) if self.tokenizer else ""
+            completions.append(CompletionOutput(
+                index=i, text=text, token_ids=list(h.token_ids), cumulative_logprob=h.cumulative_logprob,
+                logprobs=None, finish_reason=("stop" if ended_by_eos else "length") if request.finished else None,
+                score=h.score))
         return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
                              completions, request.finished, request.num_cached_tokens)
 

@@ -4,8 +4,8 @@ from tqdm.auto import tqdm
 from jpaged import presets
 from jpaged.config import CacheConfig, EngineConfig, SchedulerConfig
 from jpaged.engine import LLMEngine
-from jpaged.outputs import RequestOutput
-from jpaged.sampling_params import SamplingParams
+from jpaged.outputs import BeamSearchOutput, BeamSequence, RequestOutput
+from jpaged.sampling_params import BeamSearchParams, SamplingParams
 
 _CACHE_KEYS = {"block_size", "num_kv_blocks", "kv_cache_memory_bytes", "memory_utilization",
                "enable_prefix_caching", "preemption_mode", "swap_space_bytes", "allocator"}
@@ -54,8 +54,6 @@ class LLM:
         from jpaged.loading.orbax_checkpoint import as_hf_tokenizer
         from jpaged.models import ModelConfig
 
-        if "model" in kwargs:
-            raise ValueError("model: from_model takes the model object itself, not a path")
         if not isinstance(getattr(model, "config", None), ModelConfig) or not hasattr(model, "compute_logits"):
             raise ValueError(f"model: {type(model).__name__} lacks the jpaged model interface "
                              "(a ModelConfig `.config` and `compute_logits`)")
@@ -97,12 +95,31 @@ class LLM:
                 engine.validate(engine.tokenize(prompt)[1], p)
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
+        return self._run(self._add_all(prompts, params), use_tqdm)
+
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search for each prompt inside the engine (beams share blocks); beams best first."""
+        prompts = self._prompt_list(prompts)
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params: expected BeamSearchParams, got {type(params).__name__}")
+        engine = self.llm_engine
+        for i, prompt in enumerate(prompts):
+            try:
+                engine.validate(engine.tokenize(prompt)[1], params)
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from None
+        outputs = self._run(self._add_all(prompts, [params] * len(prompts)), use_tqdm)
+        return [BeamSearchOutput(o.prompt_token_ids,
+                                 [BeamSequence(c.token_ids, c.text, c.cumulative_logprob, c.score) for c in o.outputs])
+                for o in outputs]
+
+    def _add_all(self, prompts, params) -> list[str]:
         ids = []
         for prompt, p in zip(prompts, params):
             ids.append(str(self._next_id))
-            engine.add_request(ids[-1], prompt, p)
+            self.llm_engine.add_request(ids[-1], prompt, p)
             self._next_id += 1
-        return self._run(ids, use_tqdm)
+        return ids
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -175,7 +175,8 @@ class ModelRunner:
                 rows.append((sr, seq))
                 if sr.samples:
                     request = sr.request
-                    first_of_many = len(request.seqs) == 1 and request.sampling_params.n > 1
+                    first_of_many = (request.beam is None and len(request.seqs) == 1
+                                     and request.sampling_params.n > 1)
                     for index in range(request.sampling_params.n) if first_of_many else [seq.index]:
                         sample_rows.append(SampleRow(request, seq, index))
                         logits_indices.append(first + n - 1)

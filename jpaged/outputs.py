@@ -13,6 +13,7 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None = None   # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    score: float | None = None  # beam search: the length-normalized score
 
     def finished(self) -> bool:
         return self.finish_reason is not None

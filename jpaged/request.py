@@ -72,6 +72,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    beam: object | None = None  # a beam_search.BeamState for beam-search requests
 
     def __post_init__(self):
         if not self.seqs:
@@ -80,10 +81,14 @@ class Request:
 
     @property
     def live_seqs(self) -> list[Sequence]:
+        if self.beam is not None:
+            return [] if self.beam.done else self.seqs
         return [s for s in self.seqs if not s.finished]
 
     @property
     def finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
         return all(s.finished for s in self.seqs)
 
     @property

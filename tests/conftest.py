@@ -74,7 +74,10 @@ def tied_llama_dir(tmp_path_factory):
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int):
-    """transformers' greedy tokens and their log-probabilities (float32)."""
+    """transformers' greedy tokens and their log-probabilities (float32).
+
+    ``min_new_tokens`` makes transformers ban EOS; compare with ``SamplingParams(min_tokens=...)``.
+    """
     import torch
 
     with torch.no_grad():

@@ -18,7 +18,8 @@ def oracle(name, model, prompt):
 
 
 def check_parity(name, hf_model, llm, prompts):
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    # min_tokens bans EOS as transformers' min_new_tokens does, so both pick from the same logits
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, logprobs=1)
     outs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         ref_tokens, ref_logprobs = oracle(name, hf_model, prompt)

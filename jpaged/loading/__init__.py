@@ -45,7 +45,9 @@ def build_model(config: ModelConfig, weights, *, dtype, attention_backend: str, 
                                        rngs=nnx.Rngs(0)))
     wanted = {name: (path, transpose) for path, name, transpose in model.hf_weight_map()}
     seen = set()
+    canonical = getattr(model, "canonical_hf_name", lambda n: n)  # hub names -> save_pretrained names
     for name, array in weights:
+        name = canonical(name)
         if name not in wanted:
             continue
         path, transpose = wanted[name]

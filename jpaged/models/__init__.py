@@ -1,11 +1,15 @@
 """Model registry: Hugging Face architecture name -> jpaged NNX model class."""
+from jpaged.models.gpt2 import GPT2LMHeadModel
 from jpaged.models.llama import LlamaForCausalLM
 from jpaged.models.model_config import ModelConfig
+from jpaged.models.opt import OPTForCausalLM
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "OPTForCausalLM": OPTForCausalLM,
+    "GPT2LMHeadModel": GPT2LMHeadModel,
 }
 
 
