@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels
+from jpaged import sharding
 
 PREFILL_CHUNK = 16
 
@@ -121,6 +122,12 @@ class PagedAttention(nnx.Module):
 
     def __call__(self, q, k, v, kv_cache, md: AttentionMetadata):
         write, attend = BACKENDS[self.backend]
-        k_pages, v_pages = write(*kv_cache, k, v, md.slot_mapping)
-        out = attend(q, k_pages, v_pages, md, scale=self.scale)
+
+        def write_and_attend(q, k, v, k_pages, v_pages, md):
+            k_pages, v_pages = write(k_pages, v_pages, k, v, md.slot_mapping)
+            return attend(q, k_pages, v_pages, md, scale=self.scale), k_pages, v_pages
+
+        if sharding.model_axis_size() > 1:  # each device attends with its own heads and pool slice
+            write_and_attend = sharding.shard_heads(write_and_attend, num_args_sharded=5)
+        out, k_pages, v_pages = write_and_attend(q, k, v, *kv_cache, md)
         return out, (k_pages, v_pages)

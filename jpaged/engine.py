@@ -18,6 +18,7 @@ from jpaged.loading import load_model
 from jpaged.model_runner import ModelRunner
 from jpaged.outputs import CompletionOutput, RequestOutput
 from jpaged.request import Request, Sequence
+from jpaged.sharding import make_mesh
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -33,9 +34,11 @@ def enable_compilation_cache(path: str | None) -> None:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model=None, tokenizer=None):
-        """Loads ``config.model`` (or serves ``model``, an NNX model already in memory)."""
+    def __init__(self, config: EngineConfig, model=None, tokenizer=None, devices=None):
+        """Loads ``config.model`` (or serves ``model``, an NNX model already in memory) onto a mesh
+        of ``tensor_parallel_size`` devices (the first ones, or ``devices``)."""
         self.config = config
+        self.mesh = make_mesh(config.tensor_parallel_size, devices)
         enable_compilation_cache(config.compilation_cache_dir)
         platform = jax.default_backend()
         self.dtype = DTYPES[config.dtype] if config.dtype != "auto" else (
@@ -47,7 +50,7 @@ class LLMEngine:
             if path is None:
                 from jpaged.loading.gguf_loader import default_model_path
                 path = default_model_path()
-            model, self.model_config, tokenizer = load_model(path, dtype=self.dtype,
+            model, self.model_config, tokenizer = load_model(path, dtype=self.dtype, mesh=self.mesh,
                                                              attention_backend=self.attention_backend)
         else:
             self.model_config = model.config
@@ -71,7 +74,7 @@ class LLMEngine:
         self.scheduler = Scheduler(sc, self.kv_cache, preemption_mode=cc.preemption_mode,
                                    swap_capacity_blocks=cc.swap_space_bytes // self._kv_bytes_per_block())
         self.runner = ModelRunner(model, self.kv_cache, num_blocks=self.num_blocks, dtype=self.dtype,
-                                  seed=config.seed)
+                                  mesh=self.mesh, seed=config.seed)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}
         self._arrivals = itertools.count()
@@ -80,8 +83,10 @@ class LLMEngine:
 
     # Set-up --------------------------------------------------------------------------------------
     def _kv_bytes_per_block(self) -> int:
+        """Bytes of one block on one device (its heads' slice, KV-head replication included)."""
         mc = self.model_config
-        return (2 * mc.num_layers * mc.num_kv_heads * self.config.cache.block_size * mc.head_dim
+        heads_per_device = max(1, mc.num_kv_heads // self.config.tensor_parallel_size)
+        return (2 * mc.num_layers * heads_per_device * self.config.cache.block_size * mc.head_dim
                 * jnp.dtype(self.dtype).itemsize)
 
     def _num_blocks(self, model) -> int:
@@ -92,7 +97,7 @@ class LLMEngine:
         if cc.kv_cache_memory_bytes is not None:
             budget = cc.kv_cache_memory_bytes
         else:
-            stats = jax.devices()[0].memory_stats() or {}
+            stats = self.mesh.devices.flat[0].memory_stats() or {}
             if "bytes_limit" in stats:
                 budget = int(stats["bytes_limit"] * cc.memory_utilization) - stats.get("bytes_in_use", 0)
             else:  # CPU: devices report no memory

@@ -11,9 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pallas_kernels
 
+from jpaged import sharding
 from jpaged.attention import PREFILL_CHUNK, AttentionMetadata
 from jpaged.core.kv_cache_manager import KVCacheManager
 from jpaged.core.scheduler import SchedulerOutput
@@ -70,20 +72,29 @@ def _scatter_blocks(kv_caches, blocks, data):
 
 
 def _copy_blocks(kv_caches, src, dst):
-    return [pallas_kernels.copy_blocks(k, v, src, dst) for k, v in kv_caches]
+    copy = pallas_kernels.copy_blocks
+    if sharding.model_axis_size() > 1:  # the kernel copies each device's slice of the blocks
+        copy = sharding.shard_heads(copy, num_args_sharded=2)
+    return [copy(k, v, src, dst) for k, v in kv_caches]
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: KVCacheManager, *, num_blocks: int, dtype, seed: int = 0):
+    def __init__(self, model, kv_cache: KVCacheManager, *, num_blocks: int, dtype, mesh, seed: int = 0):
         self.config = model.config
-        self.graphdef, self.state = nnx.split(model)
+        self.mesh = mesh
+        graphdef, state = nnx.split(model)
+        self.graphdef, self.state = graphdef, sharding.shard_state(state, mesh)
         self.kv_cache_manager = kv_cache
         self.block_size = kv_cache.block_size
         self.seed = seed
         c = self.config
         shape = (c.num_kv_heads, num_blocks, self.block_size, c.head_dim)
-        self.kv_caches = [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(c.num_layers)]
-        self._step = jax.jit(self._step_fn, donate_argnums=(1,))
+        pool = sharding.kv_pool_sharding(mesh)
+        self.kv_caches = [(sharding.zeros_sharded(shape, dtype, pool), sharding.zeros_sharded(shape, dtype, pool))
+                          for _ in range(c.num_layers)]
+        replicated = NamedSharding(mesh, P())
+        self._step = jax.jit(self._step_fn, donate_argnums=(1,),
+                             out_shardings=(replicated, jax.tree.map(lambda _: pool, self.kv_caches)))
         self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
         self._gather = jax.jit(_gather_blocks)
         self._scatter = jax.jit(_scatter_blocks, donate_argnums=(0,))
@@ -107,7 +118,8 @@ class ModelRunner:
         src = np.full(n, -1, np.int32)
         dst = np.full(n, -1, np.int32)
         src[:len(copies)], dst[:len(copies)] = zip(*copies)
-        self.kv_caches = self._copy(self.kv_caches, src, dst)
+        with jax.set_mesh(self.mesh):
+            self.kv_caches = self._copy(self.kv_caches, src, dst)
 
     def swap_out(self, swaps: list[tuple[int, list[int]]]) -> None:
         """Copies preempted sequences' blocks to host memory (one device -> host transfer)."""
@@ -144,8 +156,9 @@ class ModelRunner:
         self.copy_blocks(sched.block_copies)
         rows, batch = self.prepare(sched)
         sampling = self.sampling_tensors(rows, batch["logits_indices"].shape[0])
-        (tokens, logprobs, top_ids, top_lps), self.kv_caches = self._step(
-            self.state, self.kv_caches, batch["input_ids"], batch["md"], batch["logits_indices"], sampling)
+        with jax.set_mesh(self.mesh):
+            (tokens, logprobs, top_ids, top_lps), self.kv_caches = self._step(
+                self.state, self.kv_caches, batch["input_ids"], batch["md"], batch["logits_indices"], sampling)
         n = len(rows)
         return StepResult(rows, *(np.asarray(a)[:n] for a in (tokens, logprobs, top_ids, top_lps)))
 

@@ -1,5 +1,6 @@
 """Turns a model reference (HF directory, GGUF file or jpaged orbax checkpoint directory) into a
 loaded NNX model and tokenizer."""
+import dataclasses
 import os
 
 import jax
@@ -7,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jpaged import sharding
 from jpaged.loading import hf_checkpoint, orbax_checkpoint
 from jpaged.models import ModelConfig, model_class
 
@@ -63,10 +65,23 @@ def build_model(config: ModelConfig, weights, *, dtype, attention_backend: str, 
     return model
 
 
-def load_model(path: str, *, dtype, attention_backend: str):
-    if os.path.isdir(path) and orbax_checkpoint.is_orbax_checkpoint(path):
+def load_model(path: str, *, dtype, attention_backend: str, mesh=None):
+    """(model, config, tokenizer); with a mesh, every weight goes straight into its shards."""
+    if mesh is None and os.path.isdir(path) and orbax_checkpoint.is_orbax_checkpoint(path):
         return orbax_checkpoint.load_checkpoint(path, dtype=dtype, attention_backend=attention_backend)
     hf_config, weights, tokenizer = read_checkpoint(path)
     config = ModelConfig.from_hf(hf_config)
-    model = build_model(config, weights, dtype=dtype, attention_backend=attention_backend)
+    shard_fn = None
+    if mesh is not None:
+        tp = mesh.shape[sharding.MODEL_AXIS]
+        factor = sharding.kv_head_replication(config.num_heads, config.num_kv_heads, tp)
+        if factor > 1:
+            kv_heads = config.num_kv_heads
+            config = dataclasses.replace(config, num_kv_heads=kv_heads * factor)
+            weights = ((n, sharding.repeat_kv_heads(n, np.asarray(a), kv_heads, factor)) for n, a in weights)
+
+        def shard_fn(path, array):
+            return sharding.make_array(mesh, sharding.param_spec(path, array.shape, tp), array)
+
+    model = build_model(config, weights, dtype=dtype, attention_backend=attention_backend, shard_fn=shard_fn)
     return model, config, tokenizer

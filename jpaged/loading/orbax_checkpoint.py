@@ -106,7 +106,7 @@ def save_checkpoint(model, path: str, tokenizer=None, *, overwrite: bool = False
     os.makedirs(path, exist_ok=True)
     tokenizer = as_hf_tokenizer(tokenizer)
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(os.path.join(path, STATE_DIR), _savable_state(model).to_pure_dict(), force=overwrite)
+        ckptr.save(os.path.join(path, STATE_DIR), nnx.to_pure_dict(_savable_state(model)), force=overwrite)
     cls = type(model)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config_to_hf(model.config), f, indent=2)
@@ -168,7 +168,7 @@ def load_checkpoint(path: str, *, dtype=None, attention_backend: str = "xla", mo
     state = _savable_state(model)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-                          state.to_pure_dict())
+                          nnx.to_pure_dict(state))
     with ocp.StandardCheckpointer() as ckptr:
         try:
             restored = ckptr.restore(os.path.join(path, STATE_DIR), target)

@@ -1,0 +1,141 @@
+"""Tensor parallelism with JAX's own machinery: a `Mesh` with a ``model`` axis, `NamedSharding`
+rules for the weights and the KV pool, and `jax.shard_map` around paged attention.
+
+Layout (Megatron-LM style, one all-reduce per attention block and per MLP block):
+- q/k/v projections and MLP gate/up (fc1, c_fc) are column-parallel: kernel ``[in, out]`` split on
+  ``out``, so every device holds whole heads;
+- attention output and MLP down projections (o_proj, down_proj, out_proj, fc2, c_proj) are
+  row-parallel: split on ``in``; XLA inserts the all-reduce after them;
+- the input embedding table is split on the hidden axis and the output projection (lm_head) on the
+  vocabulary axis; norms, biases of row-parallel layers and position tables are replicated;
+- the KV pool ``[num_kv_heads, num_blocks, block_size, head_dim]`` is split on its head axis, so each
+  device's pool holds only its heads' slice of every block. Block tables stay on the host, once,
+  and reach every device replicated.
+
+When a model has fewer KV heads than devices, each KV head is replicated ``N / num_kv_heads`` times
+at load time (the weights of k/v projections are repeated), so every device owns one KV head: the
+KV pool then costs ``N / num_kv_heads`` times the unsharded pool in total (each device holds
+1 / num_kv_heads of it instead of 1 / N).
+
+A weight whose split dimension does not divide by N is replicated (correct, more memory). GPT-2's
+fused ``c_attn`` is replicated: a contiguous split would mix q, k and v.
+"""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+MODEL_AXIS = "model"
+COLUMN = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1", "c_fc", "lm_head"}
+ROW = {"o_proj", "down_proj", "out_proj", "fc2", "c_proj"}
+
+
+def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
+    """A 1-D mesh with a ``model`` axis over the first N devices (or the given ones)."""
+    devices = list(devices if devices is not None else jax.devices())
+    if tensor_parallel_size > len(devices):
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: only {len(devices)} devices available")
+    return Mesh(np.array(devices[:tensor_parallel_size]), (MODEL_AXIS,), axis_types=(AxisType.Auto,))
+
+
+def param_spec(path: tuple, shape: tuple, tp: int) -> P:
+    """The PartitionSpec of the parameter at attribute ``path`` (e.g. ("layers", 0, "mlp", "up_proj", "kernel"))."""
+    names = [p for p in path if isinstance(p, str)]
+    layer, leaf = (names[-2] if len(names) > 1 else ""), names[-1]
+    spec = P()
+    if leaf == "kernel" and layer in COLUMN:
+        spec = P(None, MODEL_AXIS)
+    elif leaf == "bias" and layer in COLUMN:
+        spec = P(MODEL_AXIS)
+    elif leaf == "kernel" and layer in ROW:
+        spec = P(MODEL_AXIS, None)
+    elif leaf == "embedding" and layer == "embed_tokens":
+        spec = P(None, MODEL_AXIS)
+    for dim, axis in enumerate(spec):
+        if axis is not None and shape[dim] % tp:
+            return P()
+    return spec
+
+
+def kv_head_replication(num_heads: int, num_kv_heads: int, tp: int) -> int:
+    """How many times each KV head is repeated so that N devices each own whole heads."""
+    if num_heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp}: num_attention_heads={num_heads} is not divisible by it")
+    if num_kv_heads >= tp:
+        if num_kv_heads % tp:
+            raise ValueError(f"tensor_parallel_size={tp}: num_key_value_heads={num_kv_heads} is not divisible by it")
+        return 1
+    if tp % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size={tp}: must be a multiple of num_key_value_heads={num_kv_heads}")
+    return tp // num_kv_heads
+
+
+_KV_PROJ = re.compile(r"(k_proj|v_proj)\.(weight|bias)$")
+
+
+def repeat_kv_heads(name: str, array: np.ndarray, num_kv_heads: int, factor: int) -> np.ndarray:
+    """Repeats each KV head of a Hugging Face k/v projection (``[heads * head_dim, ...]``) ``factor`` times."""
+    if factor == 1 or not _KV_PROJ.search(name):
+        return array
+    heads = array.reshape(num_kv_heads, -1, *array.shape[1:])
+    return np.repeat(heads, factor, axis=0).reshape(-1, *array.shape[1:])
+
+
+def key_path_names(key_path) -> tuple:
+    """A pytree key path of an nnx.State leaf as attribute names, e.g. ("layers", 0, "mlp", "up_proj", "kernel")."""
+    names = tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in key_path)
+    return names[:-1] if names and names[-1] in ("value", "raw_value") else names
+
+
+def shard_state(state, mesh: Mesh):
+    """Every leaf of a model state placed by the rules on ``mesh`` (no-op for leaves already there)."""
+    tp = mesh.shape[MODEL_AXIS]
+
+    def place(key_path, x):
+        return jax.device_put(x, NamedSharding(mesh, param_spec(key_path_names(key_path), x.shape, tp)))
+
+    return jax.tree_util.tree_map_with_path(place, state)
+
+
+def make_array(mesh: Mesh, spec: P, array: np.ndarray) -> jax.Array:
+    """Places a host array straight into its shards: each device receives only its slice."""
+    sharding = NamedSharding(mesh, spec)
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def kv_pool_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P(MODEL_AXIS, None, None, None))
+
+
+def zeros_sharded(shape, dtype, sharding: NamedSharding) -> jax.Array:
+    """A zero array created directly in its shards (no full copy on one device)."""
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+
+def model_axis_size() -> int:
+    """Size of the ``model`` axis of the mesh being traced under (1 when there is none)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or MODEL_AXIS not in mesh.axis_names:
+        return 1
+    return mesh.shape[MODEL_AXIS]
+
+
+def shard_heads(fn, num_args_sharded: int):
+    """Wraps ``fn(*head_sharded, *replicated)`` in `jax.shard_map` over the ``model`` axis.
+
+    The first ``num_args_sharded`` arguments (and every output) have their head axis sharded:
+    axis 1 for [T, heads, D] activations, axis 0 for [heads, blocks, block_size, D] pages.
+    """
+    def spec_for(x):
+        return P(None, MODEL_AXIS, None) if x.ndim == 3 else P(MODEL_AXIS, None, None, None)
+
+    def wrapped(*args):
+        sharded, rest = args[:num_args_sharded], args[num_args_sharded:]
+        in_specs = tuple(spec_for(x) for x in sharded) + tuple(jax.tree.map(lambda _: P(), r) for r in rest)
+        out_shapes = jax.eval_shape(fn, *args)
+        out_specs = jax.tree.map(spec_for, out_shapes)
+        return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
+
+    return wrapped

@@ -1,0 +1,60 @@
+"""Tensor parallelism over 8 CPU devices: identical greedy tokens, and the shardings the design says."""
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from conftest import COMMON, _save, random_prompts
+from jpaged import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def mha8_dir(tmp_path_factory):
+    from transformers import LlamaConfig
+
+    cfg = dict(COMMON, num_attention_heads=8)
+    return _save(tmp_path_factory, "mha8", LlamaConfig(num_key_value_heads=8, **cfg))
+
+
+@pytest.fixture(scope="module")
+def gqa2_dir(tmp_path_factory):
+    from transformers import LlamaConfig
+
+    cfg = dict(COMMON, num_attention_heads=8)
+    return _save(tmp_path_factory, "gqa2", LlamaConfig(num_key_value_heads=2, **cfg))
+
+
+def run(path, tp, prompts):
+    llm = LLM(path, tensor_parallel_size=tp, num_kv_blocks=40, block_size=8, max_model_len=256,
+              max_num_batched_tokens=64, enable_prefix_caching=True)
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
+    outs = llm.generate(prompts + prompts[:2], params, use_tqdm=False)  # repeats hit the prefix cache
+    return llm, [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("fixture,kv_heads", [("mha8_dir", 8), ("gqa2_dir", 2)])
+def test_tensor_parallel_tokens_identical_and_shardings(request, fixture, kv_heads):
+    assert len(jax.devices()) >= 8, "conftest sets --xla_force_host_platform_device_count=8"
+    path, _ = request.getfixturevalue(fixture)
+    prompts = random_prompts(np.random.default_rng(0), [70, 9, 33, 51, 18, 64])
+    expected = None
+    for tp in (1, 2, 4, 8):
+        llm, tokens = run(path, tp, prompts)
+        m = llm.get_metrics()
+        assert m["num_preemptions"] > 0 and m["prefix_cache_hits"] > 0
+        assert m["num_free_blocks"] == m["num_total_blocks"]
+        if expected is None:
+            expected = tokens
+        assert tokens == expected, f"tensor_parallel_size={tp}"
+        runner = llm.llm_engine.runner
+        layer = runner.state["layers"][0]
+        assert layer["self_attn"]["q_proj"]["kernel"][...].sharding.spec == P(None, "model")
+        assert layer["self_attn"]["o_proj"]["kernel"][...].sharding.spec == P("model", None)
+        assert layer["mlp"]["down_proj"]["kernel"][...].sharding.spec == P("model", None)
+        assert runner.state["lm_head"]["kernel"][...].sharding.spec == P(None, "model")
+        k_pages = runner.kv_caches[0][0]
+        assert k_pages.sharding.spec == P("model", None, None, None)
+        assert len(k_pages.sharding.device_set) == tp
+        heads_total = max(kv_heads, tp)  # fewer KV heads than devices: replicated
+        assert k_pages.shape[0] == heads_total
+        assert k_pages.addressable_shards[0].data.shape[0] == heads_total // tp
