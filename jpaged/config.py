@@ -64,6 +64,7 @@ class EngineConfig:
     model: str | None = None
     dtype: str = "auto"
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
     attention_backend: str = "auto"   # "pallas" | "xla" | "auto"
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -76,5 +77,7 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "pallas", "xla"):
             _fail("EngineConfig", "attention_backend", self.attention_backend,
                   "must be 'auto', 'pallas' or 'xla'")
+        if not (isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1):
+            _fail("EngineConfig", "data_parallel_size", self.data_parallel_size, "must be an integer >= 1")
         if not (isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1):
             _fail("EngineConfig", "tensor_parallel_size", self.tensor_parallel_size, "must be an integer >= 1")

@@ -18,6 +18,7 @@ from jpaged.loading import load_model
 from jpaged.model_runner import ModelRunner
 from jpaged.outputs import CompletionOutput, RequestOutput
 from jpaged.request import Request, Sequence
+from jpaged import sharding
 from jpaged.sharding import make_mesh
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
 
@@ -54,6 +55,10 @@ class LLMEngine:
                                                              attention_backend=self.attention_backend)
         else:
             self.model_config = model.config
+            mc = model.config
+            if sharding.kv_head_replication(mc.num_heads, mc.num_kv_heads, config.tensor_parallel_size) != 1:
+                raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}: an in-memory model with "
+                                 f"{mc.num_kv_heads} KV heads cannot be split; load it by path to replicate KV heads")
         self.tokenizer = tokenizer
         mc = self.model_config
         sc = config.scheduler

@@ -10,7 +10,7 @@ from jpaged.sampling_params import BeamSearchParams, SamplingParams
 _CACHE_KEYS = {"block_size", "num_kv_blocks", "kv_cache_memory_bytes", "memory_utilization",
                "enable_prefix_caching", "preemption_mode", "swap_space_bytes", "allocator"}
 _SCHEDULER_KEYS = {"max_num_seqs", "max_num_batched_tokens", "max_model_len"}
-_ENGINE_KEYS = {"dtype", "tensor_parallel_size", "attention_backend", "seed", "compilation_cache_dir"}
+_ENGINE_KEYS = {"dtype", "tensor_parallel_size", "data_parallel_size", "attention_backend", "seed", "compilation_cache_dir"}
 
 
 def engine_config(model: str | None = None, **kwargs) -> EngineConfig:
@@ -28,7 +28,12 @@ class LLM:
     """Offline batch generation. ``LLM()`` serves the embedded SmolLM2-135M-Instruct."""
 
     def __init__(self, model: str | None = None, **kwargs):
-        self.llm_engine = LLMEngine(engine_config(model, **kwargs))
+        config = engine_config(model, **kwargs)
+        if config.data_parallel_size > 1:
+            from jpaged.data_parallel import DataParallelEngine
+            self.llm_engine = DataParallelEngine(config, config.data_parallel_size)
+        else:
+            self.llm_engine = LLMEngine(config)
         self._next_id = 0
 
     @classmethod

@@ -96,7 +96,7 @@ class ModelRunner:
         self._step = jax.jit(self._step_fn, donate_argnums=(1,),
                              out_shardings=(replicated, jax.tree.map(lambda _: pool, self.kv_caches)))
         self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
-        self._gather = jax.jit(_gather_blocks)
+        self._gather = jax.jit(_gather_blocks, out_shardings=replicated)
         self._scatter = jax.jit(_scatter_blocks, donate_argnums=(0,))
         self.host_blocks: dict[int, np.ndarray] = {}  # seq_id -> swapped-out blocks (host memory)
 

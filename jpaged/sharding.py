@@ -93,8 +93,15 @@ def shard_state(state, mesh: Mesh):
     """Every leaf of a model state placed by the rules on ``mesh`` (no-op for leaves already there)."""
     tp = mesh.shape[MODEL_AXIS]
 
+    local = all(d.process_index == jax.process_index() for d in mesh.devices.flat)
+
     def place(key_path, x):
-        return jax.device_put(x, NamedSharding(mesh, param_spec(key_path_names(key_path), x.shape, tp)))
+        target = NamedSharding(mesh, param_spec(key_path_names(key_path), x.shape, tp))
+        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(target, x.ndim):
+            return x
+        if local:  # device to device, never through the host
+            return jax.device_put(x, target)
+        return make_array(mesh, target.spec, np.asarray(x))  # a mesh spanning processes
 
     return jax.tree_util.tree_map_with_path(place, state)
 

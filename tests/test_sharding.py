@@ -58,3 +58,20 @@ def test_tensor_parallel_tokens_identical_and_shardings(request, fixture, kv_hea
         heads_total = max(kv_heads, tp)  # fewer KV heads than devices: replicated
         assert k_pages.shape[0] == heads_total
         assert k_pages.addressable_shards[0].data.shape[0] == heads_total // tp
+
+
+def test_data_parallel_replicas_on_disjoint_devices(gqa2_dir):
+    path, _ = gqa2_dir
+    prompts = random_prompts(np.random.default_rng(1), [12, 40, 7, 25, 33, 5])
+    _, expected = run(path, 1, prompts)
+    llm = LLM(path, data_parallel_size=2, tensor_parallel_size=2, num_kv_blocks=40, block_size=8,
+              max_model_len=256, max_num_batched_tokens=64)
+    outs = llm.generate(prompts + prompts[:2], SamplingParams(temperature=0, max_tokens=12, min_tokens=12),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    replicas = llm.llm_engine.replicas
+    device_sets = [set(r.runner.kv_caches[0][0].sharding.device_set) for r in replicas]
+    assert len(device_sets[0]) == 2 and not device_sets[0] & device_sets[1]
+    per_replica = llm.get_metrics()["replicas"]
+    assert all(m["prefix_cache_queries"] > 0 for m in per_replica), "both replicas served requests"
+    assert llm.get_metrics()["num_free_blocks"] == 80

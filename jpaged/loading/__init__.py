@@ -67,13 +67,16 @@ def build_model(config: ModelConfig, weights, *, dtype, attention_backend: str, 
 
 def load_model(path: str, *, dtype, attention_backend: str, mesh=None):
     """(model, config, tokenizer); with a mesh, every weight goes straight into its shards."""
-    if mesh is None and os.path.isdir(path) and orbax_checkpoint.is_orbax_checkpoint(path):
-        return orbax_checkpoint.load_checkpoint(path, dtype=dtype, attention_backend=attention_backend)
+    tp = 1 if mesh is None else mesh.shape[sharding.MODEL_AXIS]
+    if os.path.isdir(path) and orbax_checkpoint.is_orbax_checkpoint(path):
+        _, config = orbax_checkpoint.read_manifest(path)
+        if sharding.kv_head_replication(config.num_heads, config.num_kv_heads, tp) == 1:
+            # restored as saved (any NNX model class); the runner places it on the mesh
+            return orbax_checkpoint.load_checkpoint(path, dtype=dtype, attention_backend=attention_backend)
     hf_config, weights, tokenizer = read_checkpoint(path)
     config = ModelConfig.from_hf(hf_config)
     shard_fn = None
     if mesh is not None:
-        tp = mesh.shape[sharding.MODEL_AXIS]
         factor = sharding.kv_head_replication(config.num_heads, config.num_kv_heads, tp)
         if factor > 1:
             kv_heads = config.num_kv_heads
