@@ -192,3 +192,15 @@ def test_compilations_are_bounded(llm):
     before = llm.get_metrics()["num_compilations"]
     llm.generate(prompts, greedy(12), use_tqdm=False)  # the same shapes again: nothing new
     assert llm.get_metrics()["num_compilations"] == before
+
+
+def test_sharded_safetensors_checkpoint_loads(llama_dir, tmp_path):
+    path, hf_model = llama_dir
+    hf_model.save_pretrained(tmp_path, max_shard_size="40KB")
+    import glob
+    assert len(glob.glob(str(tmp_path / "*.safetensors"))) > 1
+    prompt = random_prompts(np.random.default_rng(13), [11])[0]
+    ref = hf_greedy(hf_model, prompt, 8)[0]
+    llm = LLM(str(tmp_path), num_kv_blocks=16, max_model_len=128)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, min_tokens=8), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == ref
