@@ -91,3 +91,30 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int):
 
 def random_prompts(rng: np.random.Generator, lengths, vocab=256):
     return [rng.integers(3, vocab, n).tolist() for n in lengths]
+
+
+_oracle_cache = {}
+
+
+def assert_greedy_parity(name, hf_model, llm, prompts, max_tokens: int = 24):
+    """Every greedy token equals transformers', logprobs within 1e-4, and no block leaks.
+
+    ``min_tokens`` bans EOS as transformers' ``min_new_tokens`` does, so both pick from the same logits.
+    """
+    from jpaged import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, logprobs=1)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        key = (name, tuple(prompt), max_tokens)
+        if key not in _oracle_cache:
+            _oracle_cache[key] = hf_greedy(hf_model, prompt, max_tokens)
+        ref_tokens, ref_logprobs = _oracle_cache[key]
+        got = out.outputs[0]
+        assert got.token_ids == ref_tokens, f"{name}: prompt of {len(prompt)} tokens"
+        got_lps = [lp[t] for lp, t in zip(got.logprobs, got.token_ids)]
+        np.testing.assert_allclose(got_lps, ref_logprobs, atol=1e-4)
+        assert got.finish_reason == "length"
+    metrics = llm.get_metrics()
+    assert metrics["num_free_blocks"] == metrics["num_total_blocks"], "blocks leaked"
+    return metrics

@@ -6,15 +6,11 @@ import os
 import numpy as np
 import pytest
 
-from conftest import _save, hf_greedy, random_prompts
-from jpaged import LLM, SamplingParams
+from conftest import _save, assert_greedy_parity, random_prompts
+from jpaged import LLM
 
 PROMPT_LENS = [1, 7, 16, 33, 100, 64, 90, 5]
-MAX_TOKENS = 24
-# No EOS token: conftest's hf_greedy forces min_new_tokens, which masks the EOS logit in transformers,
-# while jpaged with ignore_eos may still pick it; without an EOS both pick the plain argmax.
 SMALL = dict(vocab_size=256, bos_token_id=1, eos_token_id=None, pad_token_id=0)
-_oracle_cache = {}
 
 
 @pytest.fixture(scope="session")
@@ -46,28 +42,6 @@ def gpt2_dir(tmp_path_factory):
     return _save(tmp_path_factory, "gpt2", cfg)
 
 
-def oracle(name, model, prompt):
-    key = (name, tuple(prompt))
-    if key not in _oracle_cache:
-        _oracle_cache[key] = hf_greedy(model, prompt, MAX_TOKENS)
-    return _oracle_cache[key]
-
-
-def check_parity(name, hf_model, llm, prompts):
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        ref_tokens, ref_logprobs = oracle(name, hf_model, prompt)
-        got = out.outputs[0]
-        assert got.token_ids == ref_tokens, f"{name}: prompt of {len(prompt)} tokens"
-        got_lps = [lp[t] for lp, t in zip(got.logprobs, got.token_ids)]
-        np.testing.assert_allclose(got_lps, ref_logprobs, atol=1e-4)
-        assert got.finish_reason == "length"
-    metrics = llm.get_metrics()
-    assert metrics["num_free_blocks"] == metrics["num_total_blocks"], "blocks leaked"
-    return metrics
-
-
 @pytest.mark.parametrize("model_fixture,block_size,num_blocks", [
     ("opt_dir", 16, 16),
     ("opt350m_style_dir", 8, 32),
@@ -79,7 +53,7 @@ def test_greedy_parity_with_preemption(request, model_fixture, block_size, num_b
     llm = LLM(path, block_size=block_size, num_kv_blocks=num_blocks, max_model_len=256,
               max_num_batched_tokens=128)
     prompts = random_prompts(np.random.default_rng(0), PROMPT_LENS)
-    metrics = check_parity(model_fixture, hf_model, llm, prompts)
+    metrics = assert_greedy_parity(model_fixture, hf_model, llm, prompts)
     assert metrics["num_preemptions"] > 0, "the pool was meant to be small enough to preempt"
     assert metrics["peak_kv_cache_usage"] > 0.8
 
