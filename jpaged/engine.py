@@ -9,17 +9,15 @@ import os
 import jax
 import jax.numpy as jnp
 
-from jpaged import beam_search
+from jpaged import beam_search, sharding
 from jpaged.config import EngineConfig
 from jpaged.core.kv_cache_manager import KVCacheManager, cdiv
-from jpaged.core.scheduler import Scheduler, SchedulerOutput
+from jpaged.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from jpaged.detokenizer import IncrementalDetokenizer
 from jpaged.loading import load_model
 from jpaged.model_runner import ModelRunner
 from jpaged.outputs import CompletionOutput, RequestOutput
 from jpaged.request import Request, Sequence
-from jpaged import sharding
-from jpaged.sharding import make_mesh
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -39,28 +37,15 @@ class LLMEngine:
         """Loads ``config.model`` (or serves ``model``, an NNX model already in memory) onto a mesh
         of ``tensor_parallel_size`` devices (the first ones, or ``devices``)."""
         self.config = config
-        self.mesh = make_mesh(config.tensor_parallel_size, devices)
+        self.mesh = sharding.make_mesh(config.tensor_parallel_size, devices)
         enable_compilation_cache(config.compilation_cache_dir)
         platform = jax.default_backend()
         self.dtype = DTYPES[config.dtype] if config.dtype != "auto" else (
             jnp.float32 if platform == "cpu" else jnp.bfloat16)
         backend = config.attention_backend
         self.attention_backend = backend if backend != "auto" else ("pallas" if platform in ("tpu", "gpu") else "xla")
-        if model is None:
-            path = config.model
-            if path is None:
-                from jpaged.loading.gguf_loader import default_model_path
-                path = default_model_path()
-            model, self.model_config, tokenizer = load_model(path, dtype=self.dtype, mesh=self.mesh,
-                                                             attention_backend=self.attention_backend)
-        else:
-            self.model_config = model.config
-            mc = model.config
-            if sharding.kv_head_replication(mc.num_heads, mc.num_kv_heads, config.tensor_parallel_size) != 1:
-                raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}: an in-memory model with "
-                                 f"{mc.num_kv_heads} KV heads cannot be split; load it by path to replicate KV heads")
-        self.tokenizer = tokenizer
-        mc = self.model_config
+        model, self.tokenizer = self._load(model, tokenizer)
+        mc = self.model_config = model.config
         sc = config.scheduler
         if sc.max_model_len is not None and sc.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len={sc.max_model_len}: exceeds the model's "
@@ -69,7 +54,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(mc.eos_token_ids) or (
             (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ())
         cc = config.cache
-        self.num_blocks = self._num_blocks(model)
+        self.num_blocks = self._num_blocks()
         if cc.allocator == "paged":
             self.kv_cache = KVCacheManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching)
         else:  # a contiguous-reservation baseline, for the paper's comparisons
@@ -87,6 +72,22 @@ class LLMEngine:
         self._warm_up()
 
     # Set-up --------------------------------------------------------------------------------------
+    def _load(self, model, tokenizer):
+        """The model to serve: loaded from ``config.model`` (default: the embedded GGUF), or given."""
+        if model is None:
+            path = self.config.model
+            if path is None:
+                from jpaged.loading.gguf_loader import default_model_path
+                path = default_model_path()
+            model, _, tokenizer = load_model(path, dtype=self.dtype, mesh=self.mesh,
+                                             attention_backend=self.attention_backend)
+            return model, tokenizer
+        c, tp = model.config, self.config.tensor_parallel_size
+        if sharding.kv_head_replication(c.num_heads, c.num_kv_heads, tp) != 1:
+            raise ValueError(f"tensor_parallel_size={tp}: an in-memory model with {c.num_kv_heads} KV heads "
+                             "cannot be split; load it by path to replicate KV heads")
+        return model, tokenizer
+
     def _kv_bytes_per_block(self) -> int:
         """Bytes of one block on one device (its heads' slice, KV-head replication included)."""
         mc = self.model_config
@@ -94,7 +95,7 @@ class LLMEngine:
         return (2 * mc.num_layers * heads_per_device * self.config.cache.block_size * mc.head_dim
                 * jnp.dtype(self.dtype).itemsize)
 
-    def _num_blocks(self, model) -> int:
+    def _num_blocks(self) -> int:
         cc, sc = self.config.cache, self.config.scheduler
         per_block = self._kv_bytes_per_block()
         if cc.num_kv_blocks is not None:
@@ -117,10 +118,7 @@ class LLMEngine:
         request = Request("warmup", None, [0], SamplingParams(temperature=0.0, max_tokens=1), -1)
         seq = request.seqs[0]
         self.kv_cache.allocate(seq, 1)
-        sched = SchedulerOutput()
-        from jpaged.core.scheduler import ScheduledRequest
-        sched.scheduled.append(ScheduledRequest(request, 1))
-        self.runner.execute(sched)
+        self.runner.execute(SchedulerOutput(scheduled=[ScheduledRequest(request, 1)]))
         self.kv_cache.free(seq)
 
     # Requests ---------------------------------------------------------------------------------------
