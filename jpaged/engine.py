@@ -51,8 +51,9 @@ class LLMEngine:
             raise ValueError(f"max_model_len={sc.max_model_len}: exceeds the model's "
                              f"max_position_embeddings={mc.max_position_embeddings}")
         self.max_model_len = sc.max_model_len or mc.max_position_embeddings
+        tok = self.tokenizer
         self.eos_token_ids = tuple(mc.eos_token_ids) or (
-            (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ())
+            (tok.eos_token_id,) if tok is not None and tok.eos_token_id is not None else ())
         cc = config.cache
         self.num_blocks = self._num_blocks()
         if cc.allocator == "paged":
