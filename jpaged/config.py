@@ -20,6 +20,7 @@ class CacheConfig:
     cpu_default_bytes: int = 4 << 30          # pool budget where devices report no memory (CPU)
     allocator: str = "paged"                  # benchmarks only: "max" | "pow2" | "oracle" reserve
                                               # contiguous runs per request, as Orca did
+    share_forked_blocks: bool = True          # benchmarks only: False copies every block on fork
 
     def __post_init__(self):
         bs = self.block_size

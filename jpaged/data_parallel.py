@@ -22,6 +22,10 @@ class DataParallelEngine:
         self.placement: dict[str, LLMEngine] = {}
 
     @property
+    def model_config(self):
+        return self.replicas[0].model_config
+
+    @property
     def tokenizer(self):
         return self.replicas[0].tokenizer
 

@@ -57,7 +57,8 @@ class LLMEngine:
         cc = config.cache
         self.num_blocks = self._num_blocks()
         if cc.allocator == "paged":
-            self.kv_cache = KVCacheManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching)
+            self.kv_cache = KVCacheManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching,
+                                           cc.share_forked_blocks)
         else:  # a contiguous-reservation baseline, for the paper's comparisons
             from jpaged.core.reservation import ReservationKVCacheManager
             self.kv_cache = ReservationKVCacheManager(self.num_blocks, cc.block_size, mode=cc.allocator,

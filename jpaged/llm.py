@@ -8,7 +8,8 @@ from jpaged.outputs import BeamSearchOutput, BeamSequence, RequestOutput
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
 
 _CACHE_KEYS = {"block_size", "num_kv_blocks", "kv_cache_memory_bytes", "memory_utilization",
-               "enable_prefix_caching", "preemption_mode", "swap_space_bytes", "allocator"}
+               "enable_prefix_caching", "preemption_mode", "swap_space_bytes", "allocator",
+               "share_forked_blocks"}
 _SCHEDULER_KEYS = {"max_num_seqs", "max_num_batched_tokens", "max_model_len"}
 _ENGINE_KEYS = {"dtype", "tensor_parallel_size", "data_parallel_size", "attention_backend", "seed", "compilation_cache_dir"}
 

@@ -1,5 +1,5 @@
 """Per-request generation settings, validated once when the request is made."""
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass

@@ -22,6 +22,7 @@ import numpy as np
 from absl import app, flags
 
 import benchmark_throughput as bt
+from bench_common import bench_model_dir, load_workload
 from jpaged import LLM
 
 F = flags.FLAGS
@@ -98,12 +99,12 @@ def plot(results: dict[str, dict[float, dict]], path: str) -> None:
 def main(argv):
     del argv
     rates = [float(r) for r in F.request_rates]
-    model = F.model or bt.bench_model_dir(F.cache_dir)
+    model = F.model or bench_model_dir(F.cache_dir)
     results: dict[str, dict[float, dict]] = {}
     for allocator in F.allocator:
         llm = LLM(model, **bt.engine_kwargs(allocator))
         vocab = llm.llm_engine.model_config.vocab_size
-        prompts, output_lens = bt.load_workload(F.peers_dir, F.workload, vocab, F.num_requests, F.seed,
+        prompts, output_lens = load_workload(F.peers_dir, F.workload, vocab, F.num_requests, F.seed,
                                                 F.length_scale)
         requests = bt.make_requests(prompts, output_lens)
         if F.warmup_requests:

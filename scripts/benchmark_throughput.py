@@ -18,23 +18,20 @@ penalized for compiling what the others then reuse.
 ``--length_scale`` shrinks every prompt and output length (the shape of the distribution is kept),
 so that a CPU finishes in minutes; set ``--max_model_len`` to match (it is what ``max`` reserves).
 """
-import os
-import sys
 import time
 
-import jax
+import numpy as np
 from absl import app, flags
 
-from jpaged import LLM, SamplingParams
+from bench_common import CACHE_DIR, COMPILE_SECONDS, PEERS_DIR, bench_model_dir, load_workload
+from jpaged import LLM, BeamSearchParams, SamplingParams
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALLOCATORS = ("paged", "max", "pow2", "oracle")
 
 F = flags.FLAGS
 flags.DEFINE_string("model", None, "HF checkpoint directory; default: bench-llama, built into --cache_dir")
-flags.DEFINE_string("cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "jpaged"),
-                    "Where bench-llama is built")
-flags.DEFINE_string("peers_dir", os.path.join(REPO_ROOT, "..", "shared", "peers"), "Where workloads.py is")
+flags.DEFINE_string("cache_dir", CACHE_DIR, "Where bench-llama is built")
+flags.DEFINE_string("peers_dir", PEERS_DIR, "Where workloads.py is")
 flags.DEFINE_enum("workload", "sharegpt-like", ["sharegpt-like", "alpaca-like", "fixed"], "Shared workload")
 flags.DEFINE_integer("num_requests", 64, "Requests drawn from the workload")
 flags.DEFINE_float("length_scale", 1.0, "Multiplies every prompt and output length (>= 1 token each)")
@@ -46,64 +43,48 @@ flags.DEFINE_integer("max_model_len", 2048, "Longest prompt + output (what `max`
 flags.DEFINE_integer("max_num_seqs", 256, "Sequences per step")
 flags.DEFINE_integer("max_num_batched_tokens", 2048, "Tokens per step")
 flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16", "float16"], "Weights and KV cache dtype")
+# Sharing (the paper's section 4.4 / 6.3-6.4): each runs with sharing on and off
+flags.DEFINE_integer("n", 1, "Parallel samples per request (sharing off: n separate requests)")
+flags.DEFINE_integer("beam_width", 0, "Beam search width (0: no beam search; sharing off: forks copy blocks)")
+flags.DEFINE_enum("shared_prefix", "none", ["none", "1-shot", "5-shot"],
+                  "Prepend one common prefix (~80 or ~340 tokens) to every prompt (sharing: prefix caching)")
+flags.DEFINE_enum("sharing", "on", ["on", "off", "both"], "Block sharing for --n / --beam_width / --shared_prefix")
+# Parallelism
+flags.DEFINE_integer("tensor_parallel_size", 1, "Devices per replica (attention heads split)")
+flags.DEFINE_integer("data_parallel_size", 1, "Engine replicas")
+# A peer in the same run
+flags.DEFINE_enum("peer", "none", ["none", "hf"], "Also run transformers' batched generate (workload fixed)")
+
+SHARED_PREFIX_TOKENS = {"none": 0, "1-shot": 80, "5-shot": 340}
 
 
-# Set-up helpers (also used by benchmark_serving.py) ------------------------------------------------------
-def bench_model_dir(cache_dir: str) -> str:
-    """The shared random ``bench-llama`` checkpoint, built once (the config of make_bench_model.py)."""
-    path = os.path.join(cache_dir, "bench-llama")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        torch.manual_seed(0)
-        cfg = LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=6, num_attention_heads=8,
-                          num_key_value_heads=2, vocab_size=32000, max_position_embeddings=4096,
-                          bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.1)
-        LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
-
-
-def load_workload(peers_dir: str, name: str, vocab_size: int, num_requests=None, seed: int = 0,
-                  length_scale: float = 1.0):
-    """(prompts, output_lens) from the shared ``workloads.py``, lengths scaled by ``length_scale``."""
-    sys.path.insert(0, os.path.abspath(peers_dir))
-    try:
-        from workloads import make_workload
-    finally:
-        sys.path.pop(0)
-    prompts, output_lens = make_workload(name, vocab_size, num_requests, seed)
-    if length_scale != 1.0:
-        prompts = [p[:max(1, round(len(p) * length_scale))] for p in prompts]
-        output_lens = [max(1, round(n * length_scale)) for n in output_lens]
-    return prompts, output_lens
-
-
-def engine_kwargs(allocator: str) -> dict:
-    """LLM(...) settings for one run (add parallelism flags here)."""
+def engine_kwargs(allocator: str, sharing: bool = True) -> dict:
+    """LLM(...) settings for one run."""
     kwargs = dict(allocator=allocator, block_size=F.block_size, max_model_len=F.max_model_len,
                   max_num_seqs=F.max_num_seqs, max_num_batched_tokens=F.max_num_batched_tokens, dtype=F.dtype,
-                  enable_prefix_caching=False)
+                  enable_prefix_caching=sharing and F.shared_prefix != "none", share_forked_blocks=sharing,
+                  tensor_parallel_size=F.tensor_parallel_size, data_parallel_size=F.data_parallel_size)
     if F.num_kv_blocks is not None:
         kwargs["num_kv_blocks"] = F.num_kv_blocks
     return kwargs
 
 
-def make_requests(prompts, output_lens) -> list[tuple[list[int], SamplingParams]]:
-    """(prompt token ids, sampling params) per request (add --n / --shared_prefix here)."""
-    return [(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)) for p, n in zip(prompts, output_lens)]
-
-
-# The benchmark ------------------------------------------------------------------------------------------
-COMPILE_SECONDS = [0.0]  # tracing, lowering and compiling (or loading from the persistent cache)
-
-
-def _count_compile_time(event: str, duration: float, **_) -> None:
-    if event.startswith("/jax/core/compile/"):
-        COMPILE_SECONDS[0] += duration
-
-
-jax.monitoring.register_event_duration_secs_listener(_count_compile_time)
+def make_requests(prompts, output_lens, vocab_size: int, sharing: bool = True) -> list:
+    """(prompt token ids, params) per request: greedy by default; n samples, beams, a shared prefix."""
+    prefix = list(np.random.default_rng(1234).integers(3, vocab_size, SHARED_PREFIX_TOKENS[F.shared_prefix]))
+    prefix = [int(t) for t in prefix]
+    requests = []
+    for i, (p, n) in enumerate(zip(prompts, output_lens)):
+        prompt = prefix + p
+        if F.beam_width:
+            requests.append((prompt, BeamSearchParams(beam_width=F.beam_width, max_tokens=n, ignore_eos=True)))
+        elif F.n > 1 and sharing:
+            requests.append((prompt, SamplingParams(n=F.n, temperature=1.0, seed=i, max_tokens=n, ignore_eos=True)))
+        else:
+            temperature = 1.0 if F.n > 1 else 0.0
+            requests += [(prompt, SamplingParams(temperature=temperature, seed=i * F.n + k, max_tokens=n,
+                                                 ignore_eos=True)) for k in range(F.n)]
+    return requests
 
 
 # ------------------------------------------------------------------------------------------
@@ -120,7 +101,7 @@ def run(llm: LLM, requests) -> dict:
         outputs = engine.step()
         steps += 1
         batched += len(outputs)  # requests that advanced this step
-        if engine.scheduler.waiting:  # under memory pressure: some request could not be admitted
+        if any(e.scheduler.waiting for e in getattr(engine, "replicas", [engine])):  # memory pressure
             loaded_steps += 1
             loaded_batched += len(outputs)
         finished += [o for o in outputs if o.finished]
@@ -134,7 +115,36 @@ def run(llm: LLM, requests) -> dict:
             "loaded batch": loaded_batched / max(loaded_steps, 1),
             "preemptions": metrics["num_preemptions"], "steps": steps, "seconds": elapsed,
             "compile seconds": compiling,
-            "compilations": metrics["num_compilations"], "blocks": metrics["num_total_blocks"]}
+            "compilations": metrics["num_compilations"], "blocks": metrics["num_total_blocks"],
+            "peak blocks": round(metrics["peak_kv_cache_usage"] * metrics["num_total_blocks"])}
+
+
+def run_hf(model_dir: str, prompts, output_lens) -> float:
+    """transformers' batched greedy generate on the same requests (equal lengths); output tokens/s."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if len(set(map(len, prompts))) != 1 or len(set(output_lens)) != 1:
+        raise app.UsageError("--peer hf needs equal prompt and output lengths (--workload fixed)")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor(prompts)
+    with torch.no_grad():
+        model.generate(ids[:2, :8], max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=output_lens[0], min_new_tokens=output_lens[0], do_sample=False,
+                       pad_token_id=0)
+        elapsed = time.perf_counter() - start
+    return len(prompts) * output_lens[0] / elapsed
+
+
+def report(name: str, r: dict, num_requests: int) -> None:
+    print(f"{name:<12} {r['requests/s']:.3f} requests/s  {r['tokens/s']:.1f} tokens/s  "
+          f"({r['output tokens/s']:.1f} output)  mean batch {r['mean batch']:.2f} "
+          f"({r['loaded batch']:.2f} while requests wait)  peak KV blocks {r['peak blocks']}  "
+          f"preemptions {r['preemptions']}  steps {r['steps']}  {r['seconds']:.1f} s "
+          f"(+{r['compile seconds']:.1f} s compiling, not counted)  "
+          f"[{F.workload}, {num_requests} requests, {r['blocks']} blocks x {F.block_size}, "
+          f"{r['compilations']} compilations]", flush=True)
 
 
 def main(argv):
@@ -144,20 +154,29 @@ def main(argv):
             raise app.UsageError(f"--allocator: {a!r} is not one of {ALLOCATORS}")
     model = F.model or bench_model_dir(F.cache_dir)
     results = {}
+    sharing_modes = {"on": [True], "off": [False], "both": [True, False]}[F.sharing]
     for allocator in F.allocator:
-        llm = LLM(model, **engine_kwargs(allocator))
-        vocab = llm.llm_engine.model_config.vocab_size
-        prompts, output_lens = load_workload(F.peers_dir, F.workload, vocab, F.num_requests, F.seed, F.length_scale)
-        r = results[allocator] = run(llm, make_requests(prompts, output_lens))
-        print(f"{allocator:<7} {r['requests/s']:.3f} requests/s  {r['tokens/s']:.1f} tokens/s  "
-              f"({r['output tokens/s']:.1f} output)  mean batch {r['mean batch']:.2f} "
-              f"({r['loaded batch']:.2f} while requests wait)  "
-              f"preemptions {r['preemptions']}  steps {r['steps']}  {r['seconds']:.1f} s "
-              f"(+{r['compile seconds']:.1f} s compiling, not counted)  "
-              f"[{F.workload}, {len(prompts)} requests, {r['blocks']} blocks x {F.block_size}, "
-              f"{r['compilations']} compilations]", flush=True)
-        del llm
-    if "paged" in results:
+        for sharing in sharing_modes:
+            llm = LLM(model, **engine_kwargs(allocator, sharing))
+            vocab = llm.llm_engine.model_config.vocab_size
+            prompts, output_lens = load_workload(F.peers_dir, F.workload, vocab, F.num_requests, F.seed,
+                                                 F.length_scale)
+            name = allocator if len(sharing_modes) == 1 else f"{allocator}/{'shared' if sharing else 'unshared'}"
+            results[name] = run(llm, make_requests(prompts, output_lens, vocab, sharing))
+            report(name, results[name], len(prompts))
+            del llm
+    if len(sharing_modes) == 2:
+        for allocator in F.allocator:
+            on, off = results[f"{allocator}/shared"], results[f"{allocator}/unshared"]
+            print(f"sharing on / off ({allocator}): output throughput {on['output tokens/s'] / off['output tokens/s']:.2f}x, "
+                  f"peak KV blocks {on['peak blocks']} vs {off['peak blocks']} "
+                  f"({1 - on['peak blocks'] / max(off['peak blocks'], 1):.1%} saved)")
+    if F.peer == "hf":
+        hf = run_hf(model, prompts, output_lens)
+        first = next(iter(results.values()))
+        print(f"transformers generate: {hf:.1f} output tokens/s; jpaged / transformers: "
+              f"{first['output tokens/s'] / hf:.2f}x (same machine, same run)")
+    if "paged" in results and len(sharing_modes) == 1:
         p = results["paged"]
         for name, r in results.items():
             if name != "paged":

@@ -26,18 +26,17 @@ Shares are reported as the paper's bars are: over the memory that is held or str
 unfilled tails of last blocks (the paper counts that tail as internal fragmentation).
 """
 import os
-import sys
 from collections import Counter
 
 from absl import app, flags
 
+from bench_common import PEERS_DIR, REPO_ROOT, load_workload
 from jpaged.config import SchedulerConfig
 from jpaged.core.kv_cache_manager import KVCacheManager
 from jpaged.core.scheduler import Scheduler
 from jpaged.request import Request
 from jpaged.sampling_params import SamplingParams
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALLOCATORS = ("paged", "max", "pow2", "oracle")
 CLASSES = ("tokens", "reserved", "internal", "external", "free")
 LABELS = {"tokens": "token states", "reserved": "reserved", "internal": "internal frag",
@@ -56,23 +55,8 @@ flags.DEFINE_integer("max_num_seqs", 256, "Scheduler: sequences per step")
 flags.DEFINE_integer("max_num_batched_tokens", 2048, "Scheduler: tokens per step")
 flags.DEFINE_integer("vocab_size", 32000, "Vocabulary the prompts are drawn from (bench-llama's)")
 flags.DEFINE_integer("seed", 0, "Workload seed")
-flags.DEFINE_string("peers_dir", os.path.join(REPO_ROOT, "..", "shared", "peers"), "Where workloads.py is")
+flags.DEFINE_string("peers_dir", PEERS_DIR, "Where workloads.py is")
 flags.DEFINE_string("out_dir", os.path.join(REPO_ROOT, "docs"), "Where the PNG goes ('' for none)")
-
-
-def load_workload(peers_dir: str, name: str, vocab_size: int, num_requests=None, seed: int = 0,
-                  length_scale: float = 1.0):
-    """(prompts, output_lens) from the shared ``workloads.py``, lengths scaled as benchmark_throughput's."""
-    sys.path.insert(0, os.path.abspath(peers_dir))
-    try:
-        from workloads import make_workload
-    finally:
-        sys.path.pop(0)
-    prompts, output_lens = make_workload(name, vocab_size, num_requests, seed)
-    if length_scale != 1.0:
-        prompts = [p[:max(1, round(len(p) * length_scale))] for p in prompts]
-        output_lens = [max(1, round(n * length_scale)) for n in output_lens]
-    return prompts, output_lens
 
 
 def make_kv_cache(allocator: str, num_blocks: int, block_size: int, max_model_len: int):

@@ -58,6 +58,9 @@ def test_beams_share_blocks_and_survive_preemption(llama_dir):
     expected = [[s.token_ids for s in r.sequences] for r in roomy.beam_search(prompts, params)]
     # 4 beams of a 40-token prompt share its 5 full blocks: far fewer than 4 private copies would need
     assert round(roomy.get_metrics()["peak_kv_cache_usage"] * 256) < 3 * 4 * 8
+    unshared = LLM(path, num_kv_blocks=256, max_model_len=256, block_size=8, share_forked_blocks=False)
+    assert [[s.token_ids for s in r.sequences] for r in unshared.beam_search(prompts, params)] == expected
+    assert unshared.get_metrics()["peak_kv_cache_usage"] > roomy.get_metrics()["peak_kv_cache_usage"]
     tight = LLM(path, num_kv_blocks=30, max_model_len=256, block_size=8)
     got = [[s.token_ids for s in r.sequences] for r in tight.beam_search(prompts, params)]
     assert tight.get_metrics()["num_preemptions"] > 0

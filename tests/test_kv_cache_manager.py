@@ -83,7 +83,7 @@ def test_copy_on_write_copies_only_shared_partial_block():
 
 def test_freed_cached_blocks_are_evicted_least_recently_used_first():
     pool = BlockPool(3)
-    a, b, c = pool.allocate(), pool.allocate(), pool.allocate()
+    a, b, _ = pool.allocate(), pool.allocate(), pool.allocate()
     pool.register(a, 11, None, (1,))
     pool.register(b, 22, None, (2,))
     pool.decref(a)

@@ -12,8 +12,10 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 share_forked_blocks: bool = True):
         self.block_size = block_size
+        self.share_forked_blocks = share_forked_blocks  # False: forks copy every block (to measure sharing)
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.block_tables: dict[int, list[int]] = {}
@@ -60,6 +62,13 @@ class KVCacheManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent (reference counts go up)."""
         table = list(self.block_table(parent))
+        if not self.share_forked_blocks:
+            if len(table) > self.pool.num_free_blocks:
+                raise RuntimeError("share_forked_blocks=False: no room to copy a forked sequence's blocks")
+            copies = [(block, self.pool.allocate()) for block in table]
+            self.pending_copies += copies
+            self.block_tables[child.seq_id] = [dst for _, dst in copies]
+            return
         for block in table:
             self.pool.incref(block)
         self.block_tables[child.seq_id] = table

@@ -3,7 +3,6 @@ loaded NNX model and tokenizer."""
 import dataclasses
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
