@@ -21,6 +21,7 @@ class CacheConfig:
     allocator: str = "paged"                  # benchmarks only: "max" | "pow2" | "oracle" reserve
                                               # contiguous runs per request, as Orca did
     share_forked_blocks: bool = True          # benchmarks only: False copies every block on fork
+                                              # (needs the room at once: raises when a fork cannot copy)
 
     def __post_init__(self):
         bs = self.block_size
