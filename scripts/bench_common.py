@@ -27,6 +27,8 @@ def bench_model_dir(cache_dir: str) -> str:
 def load_workload(peers_dir: str, name: str, vocab_size: int, num_requests=None, seed: int = 0,
                   length_scale: float = 1.0):
     """(prompts, output_lens) from the shared ``workloads.py``, lengths scaled by ``length_scale``."""
+    if not os.path.isfile(os.path.join(peers_dir, "workloads.py")):
+        raise FileNotFoundError(f"--peers_dir={peers_dir!r}: no workloads.py (the shared/peers folder beside the repo)")
     sys.path.insert(0, os.path.abspath(peers_dir))
     try:
         from workloads import make_workload
