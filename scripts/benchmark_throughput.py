@@ -138,8 +138,8 @@ def run_hf(model_dir: str, prompts, output_lens) -> float:
 
 
 def report(name: str, r: dict, num_requests: int) -> None:
-    print(f"{name:<12} {r['requests/s']:.3f} requests/s  {r['tokens/s']:.1f} tokens/s  "
-          f"({r['output tokens/s']:.1f} output)  mean batch {r['mean batch']:.2f} "
+    print(f"{name:<12} Throughput: {r['requests/s']:.2f} requests/s, {r['tokens/s']:.2f} total tokens/s, "
+          f"{r['output tokens/s']:.2f} output tokens/s;  mean batch {r['mean batch']:.2f} "
           f"({r['loaded batch']:.2f} while requests wait)  peak KV blocks {r['peak blocks']}  "
           f"preemptions {r['preemptions']}  steps {r['steps']}  {r['seconds']:.1f} s "
           f"(+{r['compile seconds']:.1f} s compiling, not counted)  "

@@ -185,10 +185,15 @@ def test_bad_engine_settings(llama_dir):
         LLM(llama_dir[0], not_a_setting=1)
 
 
-def test_compilations_are_bounded(llm):
+def test_compilations_are_bounded(llm, llama_dir):
     prompts = random_prompts(np.random.default_rng(12), [3, 17, 31, 2, 64])
+    uncached = LLM(llama_dir[0], num_kv_blocks=96, max_model_len=512, enable_prefix_caching=False)
+    uncached.generate(prompts, greedy(12), use_tqdm=False)
+    before = uncached.get_metrics()["num_compilations"]
+    uncached.generate(prompts, greedy(12), use_tqdm=False)  # a second identical generate: nothing new
+    assert uncached.get_metrics()["num_compilations"] == before
     llm.generate(prompts, greedy(12), use_tqdm=False)
-    llm.generate(prompts, greedy(12), use_tqdm=False)  # prefix-cache hits: shorter prefills
+    llm.generate(prompts, greedy(12), use_tqdm=False)  # prefix-cache hits: shorter prefills, new shapes
     before = llm.get_metrics()["num_compilations"]
     llm.generate(prompts, greedy(12), use_tqdm=False)  # the same shapes again: nothing new
     assert llm.get_metrics()["num_compilations"] == before
