@@ -152,6 +152,8 @@ def main(argv):
     for a in F.allocator:
         if a not in ALLOCATORS:
             raise app.UsageError(f"--allocator: {a!r} is not one of {ALLOCATORS}")
+    if (F.n > 1 or F.beam_width) and F.allocator != ["paged"]:
+        raise app.UsageError("--n / --beam_width measure block sharing: run them with --allocator paged")
     model = F.model or bench_model_dir(F.cache_dir)
     results = {}
     sharing_modes = {"on": [True], "off": [False], "both": [True, False]}[F.sharing]
@@ -180,9 +182,9 @@ def main(argv):
         p = results["paged"]
         for name, r in results.items():
             if name != "paged":
+                loaded = (f"{p['loaded batch'] / r['loaded batch']:.2f}x" if r["loaded batch"] else "n/a")
                 print(f"paged / {name:<6}  throughput {p['requests/s'] / r['requests/s']:.2f}x  "
-                      f"mean batch {p['mean batch'] / r['mean batch']:.2f}x "
-                      f"({p['loaded batch'] / r['loaded batch']:.2f}x while requests wait)")
+                      f"mean batch {p['mean batch'] / r['mean batch']:.2f}x ({loaded} while requests wait)")
 
 
 if __name__ == "__main__":
