@@ -22,14 +22,14 @@ import numpy as np
 from absl import app, flags
 
 import benchmark_throughput as bt
-from bench_common import bench_model_dir, load_workload
+from bench_common import REPO_ROOT, bench_model_dir, load_workload
 from jpaged import LLM
 
 F = flags.FLAGS
 flags.DEFINE_list("request_rates", ["1", "2", "4"], "Mean arrivals per second (Poisson)")
 flags.DEFINE_integer("arrival_seed", 0, "Seed of the arrival times")
 flags.DEFINE_integer("warmup_requests", 8, "Requests served offline first (compilations), not measured")
-flags.DEFINE_string("out_dir", os.path.join(bt.REPO_ROOT, "docs"), "Where serving.png goes ('' for none)")
+flags.DEFINE_string("out_dir", os.path.join(REPO_ROOT, "docs"), "Where serving.png goes ('' for none)")
 
 
 def poisson_arrivals(rate: float, n: int, seed: int) -> np.ndarray:
@@ -105,8 +105,8 @@ def main(argv):
         llm = LLM(model, **bt.engine_kwargs(allocator))
         vocab = llm.llm_engine.model_config.vocab_size
         prompts, output_lens = load_workload(F.peers_dir, F.workload, vocab, F.num_requests, F.seed,
-                                                F.length_scale)
-        requests = bt.make_requests(prompts, output_lens)
+                                             F.length_scale)
+        requests = bt.make_requests(prompts, output_lens, vocab)
         if F.warmup_requests:
             llm.generate([{"prompt_token_ids": p} for p, _ in requests[:F.warmup_requests]],
                          [s for _, s in requests[:F.warmup_requests]], use_tqdm=False)

@@ -81,9 +81,7 @@ def load_model(path: str, *, dtype, attention_backend: str, mesh=None):
             kv_heads = config.num_kv_heads
             config = dataclasses.replace(config, num_kv_heads=kv_heads * factor)
             weights = ((n, sharding.repeat_kv_heads(n, np.asarray(a), kv_heads, factor)) for n, a in weights)
-
-        def shard_fn(path, array):
-            return sharding.make_array(mesh, sharding.param_spec(path, array.shape, tp), array)
-
+        shard_fn = lambda path, array: sharding.make_array(  # noqa: E731
+            mesh, sharding.param_spec(path, array.shape, tp), array)
     model = build_model(config, weights, dtype=dtype, attention_backend=attention_backend, shard_fn=shard_fn)
     return model, config, tokenizer
