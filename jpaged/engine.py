@@ -191,11 +191,15 @@ class LLMEngine:
         request = self.requests.pop(str(request_id), None)
         if request is None:
             return None
+        output = None
+        if request.beam is not None:  # report the beams as they stand, then end the search
+            output = self._beam_output(request, finish_reason="abort")
+            request.beam.done = True
         for seq in request.live_seqs:
             seq.finish_reason = "abort"
         self.scheduler.finish(request)
         self.runner.discard_swapped(s.seq_id for s in request.seqs)
-        return self._output(request)
+        return output or self._output(request)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -322,8 +326,9 @@ class LLMEngine:
         return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
                              completions, request.finished, request.num_cached_tokens)
 
-    def _beam_output(self, request: Request) -> RequestOutput:
-        """Finished hypotheses best first (the running beams while the search goes on)."""
+    def _beam_output(self, request: Request, finish_reason: str | None = None) -> RequestOutput:
+        """Finished hypotheses best first (the running beams while the search goes on, or if aborted)."""
+        finished = request.finished or finish_reason is not None
         if request.finished:
             hyps = request.beam.finished
         else:
@@ -331,15 +336,18 @@ class LLMEngine:
                     for s in request.seqs]
         completions = []
         for i, h in enumerate(hyps):
-            ended_by_eos = bool(h.token_ids) and h.token_ids[-1] in request.eos_token_ids \
-                and not request.beam.params.ignore_eos
+            if finish_reason is None and finished:
+                ended_by_eos = bool(h.token_ids) and h.token_ids[-1] in request.eos_token_ids \
+                    and not request.beam.params.ignore_eos
+                reason = "stop" if ended_by_eos else "length"
+            else:
+                reason = finish_reason
             text = self.tokenizer.decode(h.token_ids, skip_special_tokens=True) if self.tokenizer else ""
             completions.append(CompletionOutput(
                 index=i, text=text, token_ids=list(h.token_ids), cumulative_logprob=h.cumulative_logprob,
-                logprobs=None, finish_reason=("stop" if ended_by_eos else "length") if request.finished else None,
-                score=h.score))
+                logprobs=None, finish_reason=reason, score=h.score))
         return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
-                             completions, request.finished, request.num_cached_tokens)
+                             completions, finished, request.num_cached_tokens)
 
     # Metrics -----------------------------------------------------------------------------------------
     def get_metrics(self) -> dict:

@@ -67,3 +67,18 @@ def test_beams_share_blocks_and_survive_preemption(llama_dir):
     assert got == expected
     m = tight.get_metrics()
     assert m["num_free_blocks"] == m["num_total_blocks"]
+
+
+def test_aborting_a_beam_search_frees_its_blocks(llama_dir):
+    llm = LLM(llama_dir[0], num_kv_blocks=64, max_model_len=256, block_size=4)
+    engine = llm.llm_engine
+    prompt = random_prompts(np.random.default_rng(4), [18])[0]
+    engine.add_request("beams", prompt, BeamSearchParams(beam_width=3, max_tokens=20, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    out = engine.abort_request("beams")
+    assert out.finished and len(out.outputs) == 3
+    assert all(c.finish_reason == "abort" and len(c.token_ids) == 4 for c in out.outputs)  # 4 steps, 4 tokens
+    assert not engine.has_unfinished_requests()
+    m = llm.get_metrics()
+    assert m["num_free_blocks"] == m["num_total_blocks"]
