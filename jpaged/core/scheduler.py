@@ -64,9 +64,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        num_seqs = 0
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0:  # running requests first, oldest first
             request = self.running[i]
             seqs = request.live_seqs
             n = min(seqs[0].num_tokens - seqs[0].num_computed_tokens, budget // len(seqs))
@@ -78,15 +77,15 @@ class Scheduler:
                 out.preempted.append(victim)
                 if victim is request:
                     break
-            else:
+            else:  # room found without preempting this request itself
                 self._allocate(request, n)
                 out.scheduled.append(ScheduledRequest(request, n))
                 budget -= n * len(seqs)
-                num_seqs += len(seqs)
                 i += 1
                 continue
             break
         num_seqs = sum(len(r.live_seqs) for r in self.running)
+        # then waiting requests, in order, while nothing had to be preempted this step
         while self.waiting and budget > 0 and not out.preempted:
             request = self.waiting[0]
             seqs = request.live_seqs
