@@ -95,12 +95,6 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
-        engine = self.llm_engine
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            try:
-                engine.validate(engine.tokenize(prompt)[1], p)
-            except ValueError as e:
-                raise ValueError(f"prompts[{i}]: {e}") from None
         return self._run(self._add_all(prompts, params), use_tqdm)
 
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -108,22 +102,26 @@ class LLM:
         prompts = self._prompt_list(prompts)
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params: expected BeamSearchParams, got {type(params).__name__}")
-        engine = self.llm_engine
-        for i, prompt in enumerate(prompts):
-            try:
-                engine.validate(engine.tokenize(prompt)[1], params)
-            except ValueError as e:
-                raise ValueError(f"prompts[{i}]: {e}") from None
         outputs = self._run(self._add_all(prompts, [params] * len(prompts)), use_tqdm)
         return [BeamSearchOutput(o.prompt_token_ids,
                                  [BeamSequence(c.token_ids, c.text, c.cumulative_logprob, c.score) for c in o.outputs])
                 for o in outputs]
 
     def _add_all(self, prompts, params) -> list[str]:
+        """Tokenizes and validates every prompt first (a bad one raises and nothing is queued), then queues."""
+        engine = self.llm_engine
+        tokenized = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                text, token_ids = engine.tokenize(prompt)
+                engine.validate(token_ids, p)
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from None
+            tokenized.append({"prompt": text, "prompt_token_ids": token_ids})
         ids = []
-        for prompt, p in zip(prompts, params):
+        for prompt, p in zip(tokenized, params):
             ids.append(str(self._next_id))
-            self.llm_engine.add_request(ids[-1], prompt, p)
+            engine.add_request(ids[-1], prompt, p)
             self._next_id += 1
         return ids
 

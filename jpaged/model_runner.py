@@ -28,6 +28,13 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 0 if n == 0 else 1 << (n - 1).bit_length()
 
 
+def _padded_ids(values: list[int], minimum: int, fill: int = -1) -> np.ndarray:
+    """int32 ids padded with ``fill`` to a power-of-two length (at least ``minimum``)."""
+    out = np.full(bucket(len(values), minimum), fill, np.int32)
+    out[:len(values)] = values
+    return out
+
+
 def _pad(rows: list, width: int, fill: int) -> np.ndarray:
     out = np.full((len(rows), width), fill, np.int32)
     for i, r in enumerate(rows):
@@ -111,13 +118,10 @@ class ModelRunner:
         return sample(logits, sampling), kv_caches
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """All copy-on-write / swap-in copies of one step, in one call."""
+        """All copy-on-write copies of one step, in one call."""
         if not copies:
             return
-        n = bucket(len(copies), 4)
-        src = np.full(n, -1, np.int32)
-        dst = np.full(n, -1, np.int32)
-        src[:len(copies)], dst[:len(copies)] = zip(*copies)
+        src, dst = (_padded_ids(list(ids), 4) for ids in zip(*copies))
         with jax.set_mesh(self.mesh):
             self.kv_caches = self._copy(self.kv_caches, src, dst)
 
@@ -126,9 +130,7 @@ class ModelRunner:
         if not swaps:
             return
         blocks = [b for _, table in swaps for b in table]
-        padded = np.zeros(bucket(len(blocks), 4), np.int32)
-        padded[:len(blocks)] = blocks
-        data = np.asarray(self._gather(self.kv_caches, padded))
+        data = np.asarray(self._gather(self.kv_caches, _padded_ids(blocks, 4, fill=0)))
         start = 0
         for seq_id, table in swaps:
             self.host_blocks[seq_id] = data[:, :, :, start:start + len(table)]
@@ -139,12 +141,9 @@ class ModelRunner:
         if not swaps:
             return
         data = np.concatenate([self.host_blocks.pop(seq_id) for seq_id, _ in swaps], axis=3)
-        blocks = [b for _, table in swaps for b in table]
-        n = bucket(len(blocks), 4)
-        padded = np.full(n, -1, np.int32)
-        padded[:len(blocks)] = blocks
-        pad = np.zeros(data.shape[:3] + (n - len(blocks),) + data.shape[4:], data.dtype)
-        self.kv_caches = self._scatter(self.kv_caches, padded, np.concatenate([data, pad], axis=3))
+        blocks = _padded_ids([b for _, table in swaps for b in table], 4)
+        pad = np.zeros(data.shape[:3] + (len(blocks) - data.shape[3],) + data.shape[4:], data.dtype)
+        self.kv_caches = self._scatter(self.kv_caches, blocks, np.concatenate([data, pad], axis=3))
 
     def discard_swapped(self, seq_ids) -> None:
         for seq_id in seq_ids:
@@ -219,8 +218,7 @@ class ModelRunner:
             positions=np.concatenate(positions + [np.zeros(t_pad - t, np.int64)]).astype(np.int32),
             chunk_groups=tuple(groups),
             token_to_row=token_to_row)
-        padded_logits_indices = np.zeros(bucket(len(logits_indices), 8), np.int32)
-        padded_logits_indices[:len(logits_indices)] = logits_indices
+        padded_logits_indices = _padded_ids(logits_indices, 8, fill=0)
         ids = np.zeros(t_pad, np.int32)
         ids[:t] = input_ids
         return sample_rows, {"input_ids": ids, "md": md, "logits_indices": padded_logits_indices}
