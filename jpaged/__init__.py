@@ -1,9 +1,9 @@
 """jpaged: PagedAttention LLM inference in JAX and Pallas."""
 from jpaged.engine import LLMEngine
 from jpaged.llm import LLM
-from jpaged.outputs import BeamSearchOutput, CompletionOutput, RequestOutput
+from jpaged.outputs import BeamSearchOutput, CompletionOutput, RequestMetrics, RequestOutput
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
-           "BeamSearchOutput"]
+           "BeamSearchOutput", "RequestMetrics"]
 __version__ = "0.1.0"

@@ -5,6 +5,7 @@ jitted step, and the results are appended here, stop conditions checked, finishe
 """
 import itertools
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -197,6 +198,7 @@ class LLMEngine:
             request.beam.done = True
         for seq in request.live_seqs:
             seq.finish_reason = "abort"
+        request.metrics.finished_time = time.time()
         self.scheduler.finish(request)
         self.runner.discard_swapped(s.seq_id for s in request.seqs)
         return output or self._output(request)
@@ -224,10 +226,14 @@ class LLMEngine:
                 (row, int(result.tokens[i]), float(result.logprobs[i]), result.top_ids[i], result.top_logprobs[i]))
         for request_samples in samples.values():
             self._process_samples(request_samples)
+        now = time.time()
         outputs = []
         for sr in sched.scheduled:
             request = sr.request
+            if request.metrics.first_token_time is None and any(s.num_output_tokens for s in request.seqs):
+                request.metrics.first_token_time = now
             if request.finished:
+                request.metrics.finished_time = now
                 self.scheduler.finish(request)
                 self.requests.pop(request.request_id, None)
             else:
@@ -324,7 +330,7 @@ class LLMEngine:
                                         finish_reason=s.finish_reason, stop_reason=s.stop_reason)
                        for s in request.seqs]
         return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
-                             completions, request.finished, request.num_cached_tokens)
+                             completions, request.finished, request.num_cached_tokens, request.metrics)
 
     def _beam_output(self, request: Request, finish_reason: str | None = None) -> RequestOutput:
         """Finished hypotheses best first (the running beams while the search goes on, or if aborted)."""
@@ -347,7 +353,7 @@ class LLMEngine:
                 index=i, text=text, token_ids=list(h.token_ids), cumulative_logprob=h.cumulative_logprob,
                 logprobs=None, finish_reason=reason, score=h.score))
         return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
-                             completions, finished, request.num_cached_tokens)
+                             completions, finished, request.num_cached_tokens, request.metrics)
 
     # Metrics -----------------------------------------------------------------------------------------
     def get_metrics(self) -> dict:

@@ -20,6 +20,19 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """Wall-clock times of a request (``time.time()`` seconds), as vLLM reports them."""
+
+    arrival_time: float
+    first_token_time: float | None = None   # when its first output token was sampled
+    finished_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
 class RequestOutput:
     """The state of one request after an engine step (or at its end)."""
 
@@ -29,6 +42,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
 
 
 @dataclass

@@ -1,8 +1,10 @@
 """A request and its sequences: token ids, how many are computed, status."""
 import enum
 import itertools
+import time
 from dataclasses import dataclass, field
 
+from jpaged.outputs import RequestMetrics
 from jpaged.sampling_params import SamplingParams
 
 
@@ -73,6 +75,7 @@ class Request:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     beam: object | None = None  # a beam_search.BeamState for beam-search requests
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.time()))
 
     def __post_init__(self):
         if not self.seqs:
