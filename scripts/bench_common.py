@@ -1,45 +1,62 @@
-"""Pieces the benchmark scripts share: the bench-llama checkpoint, the shared workloads, compile time."""
+"""Pieces the benchmark scripts share: the bench-llama checkpoint, the workloads, compile time.
+
+  python scripts/bench_common.py DIR     # writes bench-llama into DIR (for a peer engine to load)
+"""
 import os
 import sys
 
 import jax
+import numpy as np
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PEERS_DIR = os.path.join(REPO_ROOT, "..", "shared", "peers")
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jpaged")
 
 
-def bench_model_dir(cache_dir: str) -> str:
-    """The shared random ``bench-llama`` checkpoint, built once (the config of make_bench_model.py)."""
-    path = os.path.join(cache_dir, "bench-llama")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
+BENCH_LLAMA = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=6, num_attention_heads=8,
+                   num_key_value_heads=2, vocab_size=32000, max_position_embeddings=4096,
+                   bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
 
-        torch.manual_seed(0)
-        cfg = LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=6, num_attention_heads=8,
-                          num_key_value_heads=2, vocab_size=32000, max_position_embeddings=4096,
-                          bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.1)
-        LlamaForCausalLM(cfg).save_pretrained(path)
+
+def make_bench_model(path: str, seed: int = 0, std: float = 0.1, **overrides) -> str:
+    """Writes the random ``bench-llama`` checkpoint (~50M parameters, float32) as a Hugging Face
+    directory: ``LlamaConfig.save_pretrained`` plus ``model.safetensors`` under the names and
+    layout ``LlamaForCausalLM.save_pretrained`` uses, so transformers, vLLM and jpaged all load the
+    same weights. Weights are normal(0, ``std``), norms 1, the pad row of the embedding 0; torch is
+    not needed. ``overrides`` change the config (tests build a smaller one)."""
+    from safetensors.numpy import save_file
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(**{**BENCH_LLAMA, **overrides}, initializer_range=std, architectures=["LlamaForCausalLM"])
+    h, inter, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    head_dim = h // cfg.num_attention_heads
+    kv = cfg.num_key_value_heads * head_dim
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: (rng.standard_normal(shape, np.float32) * std)  # noqa: E731
+    ones = lambda n: np.ones(n, np.float32)  # noqa: E731
+    weights = {"model.embed_tokens.weight": normal(v, h)}
+    weights["model.embed_tokens.weight"][cfg.pad_token_id] = 0.0
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        weights.update({
+            p + "self_attn.q_proj.weight": normal(h, h), p + "self_attn.k_proj.weight": normal(kv, h),
+            p + "self_attn.v_proj.weight": normal(kv, h), p + "self_attn.o_proj.weight": normal(h, h),
+            p + "mlp.gate_proj.weight": normal(inter, h), p + "mlp.up_proj.weight": normal(inter, h),
+            p + "mlp.down_proj.weight": normal(h, inter),
+            p + "input_layernorm.weight": ones(h), p + "post_attention_layernorm.weight": ones(h)})
+    weights["model.norm.weight"] = ones(h)
+    weights["lm_head.weight"] = normal(v, h)
+    os.makedirs(path, exist_ok=True)
+    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    cfg.save_pretrained(path)  # config.json last: its presence marks a complete checkpoint
     return path
 
 
-def load_workload(peers_dir: str, name: str, vocab_size: int, num_requests=None, seed: int = 0,
-                  length_scale: float = 1.0):
-    """(prompts, output_lens) from the shared ``workloads.py``, lengths scaled by ``length_scale``."""
-    if not os.path.isfile(os.path.join(peers_dir, "workloads.py")):
-        raise FileNotFoundError(f"--peers_dir={peers_dir!r}: no workloads.py (the shared/peers folder beside the repo)")
-    sys.path.insert(0, os.path.abspath(peers_dir))
-    try:
-        from workloads import make_workload
-    finally:
-        sys.path.pop(0)
-    prompts, output_lens = make_workload(name, vocab_size, num_requests, seed)
-    if length_scale != 1.0:
-        prompts = [p[:max(1, round(len(p) * length_scale))] for p in prompts]
-        output_lens = [max(1, round(n * length_scale)) for n in output_lens]
-    return prompts, output_lens
-
+def bench_model_dir(cache_dir: str) -> str:
+    """``cache_dir``/bench-llama, built on first use."""
+    path = os.path.join(cache_dir, "bench-llama")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        make_bench_model(path)
+    return path
 
 
 COMPILE_SECONDS = [0.0]  # tracing, lowering and compiling (or loading from the persistent cache)
@@ -51,3 +68,9 @@ def _count_compile_time(event: str, duration: float, **_) -> None:
 
 
 jax.monitoring.register_event_duration_secs_listener(_count_compile_time)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python scripts/bench_common.py DIR")
+    print(make_bench_model(sys.argv[1]))

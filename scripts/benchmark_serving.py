@@ -4,7 +4,7 @@
   python scripts/benchmark_serving.py --workload alpaca-like --num_requests 64 --request_rates 2,8,16
 
 Reproduces the shape of the vLLM paper's Figure 12: for each allocator and request rate, requests
-from ``../shared/peers/workloads.py`` arrive as a Poisson process (exponential gaps, fixed seed) and
+from ``scripts/workloads.py`` arrive as a Poisson process (exponential gaps, fixed seed) and
 are added to the engine when their time comes, between steps; the engine steps while it has work
 and sleeps until the next arrival when idle. Prints per run the normalized latency (the mean over
 requests of end-to-end seconds / output tokens), TTFT (arrival to first token), TPOT (first to last
@@ -22,7 +22,8 @@ import numpy as np
 from absl import app, flags
 
 import benchmark_throughput as bt
-from bench_common import REPO_ROOT, bench_model_dir, load_workload
+from bench_common import REPO_ROOT, bench_model_dir
+from workloads import make_workload
 from jpaged import LLM
 
 F = flags.FLAGS
@@ -104,7 +105,7 @@ def main(argv):
     for allocator in F.allocator:
         llm = LLM(model, **bt.engine_kwargs(allocator))
         vocab = llm.llm_engine.model_config.vocab_size
-        prompts, output_lens = load_workload(F.peers_dir, F.workload, vocab, F.num_requests, F.seed,
+        prompts, output_lens = make_workload(F.workload, vocab, F.num_requests, F.seed,
                                              F.length_scale)
         requests = bt.make_requests(prompts, output_lens, vocab)
         if F.warmup_requests:

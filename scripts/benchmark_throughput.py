@@ -5,10 +5,10 @@
   python scripts/benchmark_throughput.py --model path/to/hf_dir --num_kv_blocks 512 --length_scale 0.5
 
 Every allocator runs the real engine (same model, kernels and scheduler; only the KV cache
-manager differs) on the same requests from ``../shared/peers/workloads.py``, all queued at once,
+manager differs) on the same requests from ``scripts/workloads.py``, all queued at once,
 greedy with ``ignore_eos`` so that each request produces exactly its workload output length (what
-the ``oracle`` allocator knows). Without ``--model`` the shared ``bench-llama`` checkpoint is built
-once into ``--cache_dir`` with transformers (as peers/make_bench_model.py does).
+the ``oracle`` allocator knows). Without ``--model`` the random ``bench-llama`` checkpoint is built
+once into ``--cache_dir`` (``bench_common.make_bench_model``).
 
 Prints per allocator: requests/s, total and output tokens/s, mean batch size (requests advanced per
 engine step; also over the steps during which some request was still waiting, i.e. when the memory
@@ -23,7 +23,8 @@ import time
 import numpy as np
 from absl import app, flags
 
-from bench_common import CACHE_DIR, COMPILE_SECONDS, PEERS_DIR, bench_model_dir, load_workload
+from bench_common import CACHE_DIR, COMPILE_SECONDS, bench_model_dir
+from workloads import make_workload
 from jpaged import LLM, BeamSearchParams, SamplingParams
 
 ALLOCATORS = ("paged", "max", "pow2", "oracle")
@@ -31,8 +32,7 @@ ALLOCATORS = ("paged", "max", "pow2", "oracle")
 F = flags.FLAGS
 flags.DEFINE_string("model", None, "HF checkpoint directory; default: bench-llama, built into --cache_dir")
 flags.DEFINE_string("cache_dir", CACHE_DIR, "Where bench-llama is built")
-flags.DEFINE_string("peers_dir", PEERS_DIR, "Where workloads.py is")
-flags.DEFINE_enum("workload", "sharegpt-like", ["sharegpt-like", "alpaca-like", "fixed"], "Shared workload")
+flags.DEFINE_enum("workload", "sharegpt-like", ["sharegpt-like", "alpaca-like", "fixed"], "Workload (scripts/workloads.py)")
 flags.DEFINE_integer("num_requests", 64, "Requests drawn from the workload")
 flags.DEFINE_float("length_scale", 1.0, "Multiplies every prompt and output length (>= 1 token each)")
 flags.DEFINE_integer("seed", 0, "Workload seed")
@@ -161,7 +161,7 @@ def main(argv):
         for sharing in sharing_modes:
             llm = LLM(model, **engine_kwargs(allocator, sharing))
             vocab = llm.llm_engine.model_config.vocab_size
-            prompts, output_lens = load_workload(F.peers_dir, F.workload, vocab, F.num_requests, F.seed,
+            prompts, output_lens = make_workload(F.workload, vocab, F.num_requests, F.seed,
                                                  F.length_scale)
             name = allocator if len(sharing_modes) == 1 else f"{allocator}/{'shared' if sharing else 'unshared'}"
             results[name] = run(llm, make_requests(prompts, output_lens, vocab, sharing))

@@ -5,7 +5,7 @@
 
 This is a simulation, not a model run: the real ``Scheduler`` drives the real KV cache manager
 (``KVCacheManager`` for paged, ``ReservationKVCacheManager`` for max / pow2 / oracle) over the
-shared workloads of ``../shared/peers/workloads.py``, and each scheduled step appends one synthetic
+workloads of ``scripts/workloads.py``, and each scheduled step appends one synthetic
 token per sampling sequence instead of running the model. Memory decisions do not depend on token
 values (no prefix caching, ``ignore_eos``), so the accounting is the engine's exactly; it takes
 seconds instead of hours.
@@ -30,7 +30,8 @@ from collections import Counter
 
 from absl import app, flags
 
-from bench_common import PEERS_DIR, REPO_ROOT, load_workload
+from bench_common import REPO_ROOT
+from workloads import make_workload
 from jpaged.config import SchedulerConfig
 from jpaged.core.kv_cache_manager import KVCacheManager
 from jpaged.core.scheduler import Scheduler
@@ -44,7 +45,7 @@ LABELS = {"tokens": "token states", "reserved": "reserved", "internal": "interna
 PAPER_TOKEN_SHARE = {"max": "20.4%", "pow2": "26.8%", "oracle": "38.2%", "paged": "96.3%"}
 
 F = flags.FLAGS
-flags.DEFINE_list("workload", ["sharegpt-like", "alpaca-like"], "Workloads from peers/workloads.py")
+flags.DEFINE_list("workload", ["sharegpt-like", "alpaca-like"], "Workloads from scripts/workloads.py")
 flags.DEFINE_list("allocator", list(ALLOCATORS), "Allocators to compare")
 flags.DEFINE_integer("num_requests", None, "Requests per workload (default: the workload's own)")
 flags.DEFINE_float("length_scale", 1.0, "Multiplies every prompt and output length (as benchmark_throughput)")
@@ -55,7 +56,6 @@ flags.DEFINE_integer("max_num_seqs", 256, "Scheduler: sequences per step")
 flags.DEFINE_integer("max_num_batched_tokens", 2048, "Scheduler: tokens per step")
 flags.DEFINE_integer("vocab_size", 32000, "Vocabulary the prompts are drawn from (bench-llama's)")
 flags.DEFINE_integer("seed", 0, "Workload seed")
-flags.DEFINE_string("peers_dir", PEERS_DIR, "Where workloads.py is")
 flags.DEFINE_string("out_dir", os.path.join(REPO_ROOT, "docs"), "Where the PNG goes ('' for none)")
 
 
@@ -187,7 +187,7 @@ def main(argv):
             raise app.UsageError(f"--allocator: {a!r} is not one of {ALLOCATORS}")
     all_results = {}
     for workload in F.workload:
-        prompts, output_lens = load_workload(F.peers_dir, workload, F.vocab_size, F.num_requests, F.seed,
+        prompts, output_lens = make_workload(workload, F.vocab_size, F.num_requests, F.seed,
                                                F.length_scale)
         all_results[workload] = {a: simulate(a, prompts, output_lens, num_kv_blocks=F.num_kv_blocks,
                                              block_size=F.block_size, max_model_len=F.max_model_len,

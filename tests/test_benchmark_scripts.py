@@ -1,14 +1,21 @@
-"""The throughput benchmark runs end to end on a tiny model (a smoke test: no timing asserted)."""
+"""The benchmark scripts run end to end on a tiny model (smoke tests: no timing asserted), and their
+workloads and bench model come from the project itself."""
 import os
-import subprocess
 import sys
 
-SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+import numpy as np
+import pytest
+
+from run_script import SCRIPTS, run_script
+
+sys.path.insert(0, SCRIPTS)
+import workloads  # noqa: E402
+
+sys.path.remove(SCRIPTS)
 
 
 def run_benchmark(*flags):
-    result = subprocess.run([sys.executable, os.path.join(SCRIPTS, "benchmark_throughput.py"), *flags],
-                            capture_output=True, text=True, timeout=300)
+    result = run_script("benchmark_throughput.py", *flags)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
@@ -23,10 +30,56 @@ def test_throughput_allocators_and_sharing(llama_dir):
 
 
 def test_serving_benchmark_runs(llama_dir, tmp_path):
-    result = subprocess.run([sys.executable, os.path.join(SCRIPTS, "benchmark_serving.py"), f"--model={llama_dir[0]}",
-                             "--workload=sharegpt-like", "--num_requests=4", "--length_scale=0.05",
-                             "--max_model_len=256", "--num_kv_blocks=64", "--allocator=paged",
-                             "--request_rates=4", "--warmup_requests=0", f"--out_dir={tmp_path}"],
-                            capture_output=True, text=True, timeout=300)
+    result = run_script("benchmark_serving.py", f"--model={llama_dir[0]}", "--workload=sharegpt-like",
+                        "--num_requests=4", "--length_scale=0.05", "--max_model_len=256", "--num_kv_blocks=64",
+                        "--allocator=paged", "--request_rates=4", "--warmup_requests=0", f"--out_dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "paged" in result.stdout
+
+
+@pytest.mark.parametrize("name,n,mean_in,mean_out,lo,hi", [
+    ("sharegpt-like", 200, 161, 338, 4, 1024),
+    ("alpaca-like", 500, 19, 58, 4, 512),
+])
+def test_workload_shapes(name, n, mean_in, mean_out, lo, hi):
+    prompts, outs = workloads.make_workload(name, 32000, seed=0)
+    ins = np.array([len(p) for p in prompts])
+    assert len(prompts) == len(outs) == n
+    assert ins.min() >= 4 and np.min(outs) >= lo and ins.max() <= 1024 and np.max(outs) <= hi
+    # clipping and truncation to ints pull the means a little below the distribution's
+    assert 0.8 * mean_in < ins.mean() < 1.1 * mean_in and 0.8 * mean_out < np.mean(outs) < 1.1 * mean_out
+    assert ins.std() > 0.4 * ins.mean()  # log-normal: a long tail, not near-constant lengths
+    assert min(min(p) for p in prompts) >= 3 and max(max(p) for p in prompts) < 32000
+    assert workloads.make_workload(name, 32000, seed=0) == (prompts, outs)  # seeded
+    assert workloads.make_workload(name, 32000, seed=1) != (prompts, outs)
+
+
+def test_fixed_workload_and_length_scale():
+    prompts, outs = workloads.make_workload("fixed", 100)
+    assert len(prompts) == 32 and {len(p) for p in prompts} == {128} and set(outs) == {128}
+    prompts, outs = workloads.make_workload("fixed", 100, num_requests=3, length_scale=0.25)
+    assert [len(p) for p in prompts] == [32] * 3 and outs == [32] * 3
+    with pytest.raises(ValueError, match="workload='nope'"):
+        workloads.make_workload("nope", 100)
+
+
+def test_bench_model_is_built_without_torch_and_loads(tmp_path, monkeypatch):
+    """bench-llama's config, and a small model built the same way loads and generates in the engine
+    (its tensor names are save_pretrained's; transformers loads the full one with no missing keys)."""
+    sys.path.insert(0, SCRIPTS)
+    try:
+        import bench_common
+    finally:
+        sys.path.remove(SCRIPTS)
+    from jpaged import LLM, SamplingParams
+
+    assert {k: bench_common.BENCH_LLAMA[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                    "num_attention_heads", "num_key_value_heads", "vocab_size")} \
+        == dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=6, num_attention_heads=8,
+                num_key_value_heads=2, vocab_size=32000)
+    monkeypatch.setitem(sys.modules, "torch", None)  # importing torch would fail
+    path = bench_common.make_bench_model(str(tmp_path / "small"), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, vocab_size=300)
+    llm = LLM(path, num_kv_blocks=16, max_model_len=64)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4

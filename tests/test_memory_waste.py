@@ -1,11 +1,11 @@
 """scripts/memory_waste.py: slot accounting on a hand-made trace, and the script end to end."""
 import os
-import subprocess
 import sys
 
 import pytest
 
-SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+from run_script import SCRIPTS, run_script
+
 sys.path.insert(0, SCRIPTS)
 import memory_waste as mw  # noqa: E402
 
@@ -56,9 +56,8 @@ def test_hand_made_trace_numbers():
 
 
 def test_script_runs_on_a_small_trace(tmp_path):
-    result = subprocess.run(
-        [sys.executable, os.path.join(SCRIPTS, "memory_waste.py"), "--num_requests", "40", "--num_kv_blocks", "256",
-         "--out_dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    result = run_script("memory_waste.py", "--num_requests", "40", "--num_kv_blocks", "256", "--out_dir", str(tmp_path),
+                        timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     for workload in ("sharegpt-like", "alpaca-like"):
         assert f"{workload}: 40 requests" in result.stdout
