@@ -4,12 +4,19 @@
   python scripts/generate.py --prompt "Tell me a joke" --prompt "What is 2+2?" --temperature 0.7
   python scripts/generate.py --model path/to/hf_dir --prompts_file prompts.txt --max_tokens 128
   python scripts/generate.py --config smollm2-135m-instruct --max_num_seqs 32
+
+Flags, sampling settings, the prompts file and the model path are checked before anything is loaded;
+a problem is one line on stderr (``generate.py: error: ...``) and exit status 2.
 """
 import time
 
-from absl import app, flags
+PROCESS_START = time.time()  # before the imports, for the "since start" figure
 
-from jpaged import LLM, SamplingParams
+import sys  # noqa: E402
+
+from absl import app, flags  # noqa: E402
+
+from jpaged import SamplingParams, presets  # noqa: E402  (no JAX import yet: checking flags stays fast)
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
@@ -58,44 +65,96 @@ ENGINE_FLAGS = ["dtype", "block_size", "num_kv_blocks", "kv_cache_memory_bytes",
                 "tensor_parallel_size", "attention_backend"]
 
 
+def fail(message) -> None:
+    """A user error: one line, exit status 2 (argparse's convention)."""
+    print(f"generate.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's parsing, with --help exiting 0 and a bad flag answered in one line."""
+    args = argv[1:argv.index("--")] if "--" in argv else argv[1:]
+    if any(a in ("-h", "-?", "--help", "--helpshort") for a in args):
+        app.usage(shorthelp=True, writeto_stdout=True, exitcode=0)
+    if "--helpfull" in args:
+        app.usage(writeto_stdout=True, exitcode=0)
+    try:
+        return F(argv)
+    except flags.Error as e:
+        fail(e)
+
+
+def sampling_params() -> SamplingParams:
+    return SamplingParams(n=F.n, temperature=F.temperature, top_p=F.top_p, top_k=F.top_k, min_p=F.min_p,
+                          seed=F.seed, max_tokens=F.max_tokens, min_tokens=F.min_tokens, stop=F.stop,
+                          ignore_eos=F.ignore_eos, logprobs=F.logprobs, presence_penalty=F.presence_penalty,
+                          frequency_penalty=F.frequency_penalty, repetition_penalty=F.repetition_penalty)
+
+
 def read_prompts() -> list[str]:
+    """The --prompt flags, then the file's non-blank lines; the built-in prompts when neither is given."""
     prompts = list(F.prompt)
-    if F.prompts_file:
-        with open(F.prompts_file) as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if F.prompts_file is not None:
+        try:
+            with open(F.prompts_file) as f:
+                from_file = [line.rstrip("\n") for line in f if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--prompts_file={F.prompts_file!r}: {getattr(e, 'strerror', None) or e}") from None
+        if not from_file:
+            raise ValueError(f"--prompts_file={F.prompts_file!r}: no prompts in it (empty or only blank lines)")
+        prompts += from_file
     return prompts or DEFAULT_PROMPTS
 
 
-def main(argv):
-    del argv
-    engine_kwargs = {k: getattr(F, k) for k in ENGINE_FLAGS if getattr(F, k) is not None}
-    llm = LLM(F.model or F.config, **engine_kwargs)
-    params = SamplingParams(n=F.n, temperature=F.temperature, top_p=F.top_p, top_k=F.top_k, min_p=F.min_p,
-                            seed=F.seed, max_tokens=F.max_tokens, min_tokens=F.min_tokens, stop=F.stop,
-                            ignore_eos=F.ignore_eos, logprobs=F.logprobs, presence_penalty=F.presence_penalty,
-                            frequency_penalty=F.frequency_penalty, repetition_penalty=F.repetition_penalty)
-    prompts = read_prompts()
-    tokenizer = llm.get_tokenizer()
-    if F.chat and tokenizer is not None and tokenizer.chat_template:
-        inputs = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                tokenize=False) for p in prompts]
-    else:
-        inputs = prompts
-    start = time.perf_counter()
-    outputs = llm.generate(inputs, params, use_tqdm=True)
-    elapsed = time.perf_counter() - start
-    if F.print_outputs:
-        for prompt, out in zip(prompts, outputs):
-            for c in out.outputs:
-                print(f"\n>>> {prompt}\n{c.text}  [{c.finish_reason}, {len(c.token_ids)} tokens]")
-    metrics = llm.get_metrics()
+def summary(outputs, elapsed: float, metrics: dict) -> str:
+    """One line: requests and sequences, tokens, throughput, first token, KV cache, compilations."""
+    n_seqs = sum(len(o.outputs) for o in outputs)
     n_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     n_in = sum(len(o.prompt_token_ids) for o in outputs)
-    print(f"\n{len(outputs)} requests, {n_in} prompt + {n_out} generated tokens in {elapsed:.2f} s: "
-          f"{n_out / elapsed:.1f} output tok/s, {(n_in + n_out) / elapsed:.1f} total tok/s; "
-          f"peak KV cache usage {metrics['peak_kv_cache_usage']:.1%} of {metrics['num_total_blocks']} blocks, "
-          f"{metrics['num_preemptions']} preemptions, {metrics['num_compilations']} compilations")
+    what = f"{len(outputs)} request{'s' if len(outputs) != 1 else ''}"
+    if n_seqs != len(outputs):
+        what += f" ({n_seqs} sequences)"
+    timed = [o.metrics for o in outputs if o.metrics is not None and o.metrics.first_token_time is not None]
+    ttft = (f"first token after {min(m.first_token_time for m in timed) - min(m.arrival_time for m in timed):.2f} s, "
+            if timed else "")
+    return (f"{what}, {n_in} prompt + {n_out} generated tokens in {elapsed:.2f} s: "
+            f"{n_out / elapsed:.1f} output tok/s, {(n_in + n_out) / elapsed:.1f} total tok/s; {ttft}"
+            f"{time.time() - PROCESS_START:.1f} s since start; "
+            f"peak KV cache usage {metrics['peak_kv_cache_usage']:.1%} of {metrics['num_total_blocks']} blocks, "
+            f"{metrics['num_preemptions']} preemptions, {metrics['num_compilations']} compilations")
+
+
+def main(argv):
+    if len(argv) > 1:
+        fail(f"unexpected arguments {argv[1:]} (prompts go in --prompt or --prompts_file)")
+    try:
+        params = sampling_params()
+        prompts = read_prompts()
+        engine_kwargs = {k: getattr(F, k) for k in ENGINE_FLAGS if getattr(F, k) is not None}
+        presets.resolve(F.model or F.config, engine_kwargs)  # the model path or preset exists
+        from jpaged.llm import LLM, engine_config  # imports JAX
+
+        engine_config(F.model or F.config, **engine_kwargs)  # every engine setting valid; loads nothing
+        llm = LLM(F.model or F.config, **engine_kwargs)
+        tokenizer = llm.get_tokenizer()
+        if F.chat and tokenizer is not None and tokenizer.chat_template:
+            inputs = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                    tokenize=False) for p in prompts]
+        else:
+            inputs = prompts
+        start = time.perf_counter()
+        outputs = llm.generate(inputs, params, use_tqdm=True)
+        elapsed = time.perf_counter() - start
+    except (ValueError, OSError) as e:  # bad input, a missing or corrupt file
+        fail(e)
+    if F.print_outputs:
+        for prompt, out in zip(prompts, outputs):
+            print(f"\n>>> {prompt}")
+            for c in out.outputs:
+                tag = f"[{c.index + 1}/{len(out.outputs)}] " if len(out.outputs) > 1 else ""
+                print(f"{tag}{c.text}  [{c.finish_reason}, {len(c.token_ids)} tokens]")
+    print("\n" + summary(outputs, elapsed, llm.get_metrics()))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)
