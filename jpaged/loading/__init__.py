@@ -73,7 +73,7 @@ def load_model(path: str, *, dtype, attention_backend: str, mesh=None):
             # restored as saved (any NNX model class); the runner places it on the mesh
             return orbax_checkpoint.load_checkpoint(path, dtype=dtype, attention_backend=attention_backend)
     hf_config, weights, tokenizer = read_checkpoint(path)
-    config = ModelConfig.from_hf(hf_config)
+    config = hf_checkpoint.model_config(hf_config, path if os.path.isfile(path) else os.path.join(path, "config.json"))
     shard_fn = None
     if mesh is not None:
         factor = sharding.kv_head_replication(config.num_heads, config.num_kv_heads, tp)

@@ -198,6 +198,8 @@ class _Cursor:
 
     def string(self) -> str:
         n = self.scalar("<Q")
+        if self.pos + n > len(self.buf):
+            raise ValueError(f"a string of {n} bytes at byte {self.pos} runs past the end of the file")
         self.pos += n
         return bytes(self.buf[self.pos - n : self.pos]).decode("utf-8")
 
@@ -217,17 +219,30 @@ class _Cursor:
 
 def _read_gguf(path: str):
     """``(metadata, tensors)``: metadata as Python values; tensors as ``(name, ggml_type, shape,
-    raw)`` with ``shape`` in numpy order and ``raw`` a uint8 memmap of shape ``shape[:-1] + (row_bytes,)``."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    raw)`` with ``shape`` in numpy order and ``raw`` a uint8 memmap of shape ``shape[:-1] + (row_bytes,)``.
 
+    A truncated or corrupt file is a ValueError naming it and what is wrong."""
+    if os.path.getsize(path) < 24:  # magic, version, tensor and key counts
+        raise ValueError(f"{path}: not a GGUF file (only {os.path.getsize(path)} bytes)")
     buf = np.memmap(path, dtype=np.uint8, mode="r")
-    cur = _Cursor(buf)
     if bytes(buf[:4]) != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file")
+    try:
+        metadata, infos, data_start = _read_header(buf)
+    except (struct.error, UnicodeDecodeError, ValueError, KeyError, OverflowError) as e:
+        raise ValueError(f"{path}: corrupt or truncated GGUF header ({type(e).__name__}: {e})") from None
+    return metadata, _tensor_views(path, buf, infos, data_start)
+
+
+def _read_header(buf):
+    """(metadata, tensor infos, byte offset of the tensor data) of a GGUF file."""
+    from gguf import GGMLQuantizationType
+
+    cur = _Cursor(buf)
     cur.pos = 4
     version = cur.scalar("<I")
     if version not in (2, 3):
-        raise ValueError(f"unsupported GGUF version {version} in {path} (big-endian files are not supported)")
+        raise ValueError(f"unsupported GGUF version {version} (big-endian files are not supported)")
     n_tensors, n_kv = cur.scalar("<Q"), cur.scalar("<Q")
     metadata = {}
     for _ in range(n_kv):
@@ -239,17 +254,27 @@ def _read_gguf(path: str):
         dims = [cur.scalar("<Q") for _ in range(cur.scalar("<I"))]
         infos.append((name, GGMLQuantizationType(cur.scalar("<I")), dims, cur.scalar("<Q")))
     align = metadata.get("general.alignment", 32)
-    data_start = -(-cur.pos // align) * align
+    return metadata, infos, -(-cur.pos // align) * align
+
+
+def _tensor_views(path: str, buf, infos, data_start: int):
+    """Each tensor's bytes as a memmap view, after checking they lie inside the file."""
+    from gguf import GGML_QUANT_SIZES
 
     tensors = []
     for name, qtype, dims, offset in infos:
         block, block_bytes = GGML_QUANT_SIZES[qtype]
         shape = tuple(int(d) for d in reversed(dims))  # ggml lists dims fastest-first
+        if not shape or min(shape) < 1 or shape[-1] % block:
+            raise ValueError(f"{path}: tensor {name!r} has an invalid shape {shape} for {qtype.name}")
         row_bytes = shape[-1] // block * block_bytes
         start = data_start + offset
-        raw = buf[start : start + int(np.prod(shape[:-1])) * row_bytes].reshape(*shape[:-1], row_bytes)
-        tensors.append((name, qtype, shape, raw))
-    return metadata, tensors
+        end = start + int(np.prod(shape[:-1])) * row_bytes
+        if end > len(buf):
+            raise ValueError(f"{path}: truncated: tensor {name!r} needs bytes {start}-{end}, the file has "
+                             f"{len(buf)}")
+        tensors.append((name, qtype, shape, buf[start:end].reshape(*shape[:-1], row_bytes)))
+    return tensors
 
 
 # --------------------------------------------------------------------------- weights
@@ -360,7 +385,10 @@ def load_gguf(path: str, dtype=np.float32):
             the file has no tokenizer.
     """
     metadata, tensors = _read_gguf(path)
-    config = read_config(metadata, {t[0] for t in tensors})
+    try:
+        config = read_config(metadata, {t[0] for t in tensors})
+    except (KeyError, TypeError, ZeroDivisionError) as e:
+        raise ValueError(f"{path}: incomplete GGUF metadata ({type(e).__name__}: {e})") from None
     weights = _read_weights(tensors, config, dtype)
     tokenizer = _build_tokenizer(metadata)
     return config, weights, tokenizer

@@ -1,27 +1,97 @@
-"""Hugging Face checkpoint directories: config.json, safetensors shards, tokenizer. No torch."""
+"""Hugging Face checkpoint directories: config.json, safetensors shards, tokenizer. No torch.
+
+A broken file is a ``ValueError`` that names the file and what is wrong with it (not JSON, a
+missing or inconsistent field, an unreadable or truncated safetensors file).
+"""
 import glob
 import json
 import os
 
 import numpy as np
 
+from jpaged.models import ModelConfig
+
+
+def read_json(file: str) -> dict:
+    """A JSON object from ``file``."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(value).__name__}")
+    return value
+
 
 def read_config(path: str) -> dict:
-    with open(os.path.join(path, "config.json")) as f:
-        return json.load(f)
+    return read_json(os.path.join(path, "config.json"))
+
+
+def _first(d: dict, *keys):
+    """(key, value) of the first of ``keys`` present in ``d`` (the names differ by architecture)."""
+    for k in keys:
+        if d.get(k) is not None:
+            return k, d[k]
+    return keys[0], None
+
+
+def model_config(hf_config: dict, source: str) -> ModelConfig:
+    """``ModelConfig.from_hf`` after checking the fields the engine sizes everything by; a missing,
+    non-positive or inconsistent one is a ValueError naming ``source`` (the file it came from)."""
+    def bad(why):
+        raise ValueError(f"{source}: {why}")
+
+    if not isinstance(hf_config, dict):
+        bad(f"expected a JSON object, got {type(hf_config).__name__}")
+    text = hf_config.get("text_config") or hf_config
+    sizes = {}
+    for keys in (("vocab_size",), ("hidden_size", "n_embd", "d_model"), ("num_attention_heads", "n_head"),
+                 ("num_hidden_layers", "n_layer")):
+        key, value = _first(text, *keys)
+        if value is None:
+            bad(f"missing {' / '.join(keys)}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            bad(f"{key}={value!r}: must be a positive integer")
+        sizes[keys[0]] = value
+    heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
+    kv_heads = text.get("num_key_value_heads")
+    if kv_heads is not None:
+        if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1:
+            bad(f"num_key_value_heads={kv_heads!r}: must be a positive integer")
+        if heads % kv_heads:
+            bad(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    head_dim = text.get("head_dim")
+    if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1):
+        bad(f"head_dim={head_dim!r}: must be a positive integer")
+    if head_dim is None and hidden % heads:
+        bad(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads} (and no head_dim)")
+    try:
+        return ModelConfig.from_hf(hf_config)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        bad(f"unreadable model config ({type(e).__name__}: {e})")
 
 
 def iter_safetensors(path: str):
     """Yields (name, numpy array) from every ``*.safetensors`` file of a directory, lazily."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"model={path!r}: no *.safetensors files in the directory")
     for file in files:
-        with safe_open(file, framework="flax") as f:  # "flax" reads bfloat16 too
+        try:
+            handle = safe_open(file, framework="flax")  # "flax" reads bfloat16 too
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
+        with handle as f:
             for name in f.keys():
-                yield name, np.asarray(f.get_tensor(name))
+                try:
+                    array = np.asarray(f.get_tensor(name))
+                except (SafetensorError, OSError, ValueError) as e:
+                    raise ValueError(f"{file}: tensor {name!r} cannot be read, the file is truncated or "
+                                     f"corrupt ({e})") from None
+                yield name, array
 
 
 def load_tokenizer(path: str):

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jpaged.loading.hf_checkpoint import model_config, read_json
 from jpaged.models import MODEL_REGISTRY, ModelConfig
 
 FORMAT, VERSION = "jpaged-orbax", 1
@@ -120,13 +121,12 @@ def save_checkpoint(model, path: str, tokenizer=None, *, overwrite: bool = False
 
 def read_manifest(path: str) -> tuple[dict, ModelConfig]:
     """(marker dict, ModelConfig) of a checkpoint directory, validated."""
-    with open(os.path.join(path, MARKER)) as f:
-        marker = json.load(f)
+    marker = read_json(os.path.join(path, MARKER))
     if marker.get("format") != FORMAT or marker.get("version", 0) > VERSION:
         raise ValueError(f"model={path!r}: {MARKER} has format {marker.get('format')!r} version "
                          f"{marker.get('version')!r}; this jpaged reads {FORMAT!r} up to version {VERSION}")
-    with open(os.path.join(path, "config.json")) as f:
-        return marker, ModelConfig.from_hf(json.load(f))
+    config_file = os.path.join(path, "config.json")
+    return marker, model_config(read_json(config_file), config_file)
 
 
 def _model_class(marker: dict, config: ModelConfig, path: str):
