@@ -1,8 +1,14 @@
-"""Named presets in `configs/`: a model plus engine settings, loaded by name."""
+"""Named presets: a model plus engine settings, loaded by name.
+
+The presets ship inside the package (``jpaged/configs/*.json``, package data), so a name resolves
+from any directory and in a non-editable install. ``"smollm2-135m-instruct"``,
+``"configs/smollm2-135m-instruct"`` and ``"smollm2-135m-instruct.json"`` name the same preset; the
+path of a ``.json`` file of one's own is a preset too.
+"""
 import json
 import os
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
 
 def list_presets() -> list[str]:
@@ -11,17 +17,30 @@ def list_presets() -> list[str]:
     return sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".json"))
 
 
+def _read(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            preset = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(preset, dict):
+        raise ValueError(f"{path}: a preset is a JSON object, got {type(preset).__name__}")
+    return preset
+
+
 def load_preset(name: str) -> dict | None:
     """The preset's settings, or None when ``name`` is not a preset."""
-    path = os.path.join(CONFIG_DIR, f"{name}.json")
-    if not os.path.isfile(path):
+    if name.endswith(".json") and os.path.isfile(name):
+        return _read(name)
+    base = name.removeprefix("configs/").removesuffix(".json")
+    if not base or os.sep in base or "/" in base:
         return None
-    with open(path) as f:
-        return json.load(f)
+    path = os.path.join(CONFIG_DIR, f"{base}.json")
+    return _read(path) if os.path.isfile(path) else None
 
 
 def is_model_path(name: str) -> bool:
-    return os.path.exists(name)
+    return os.path.exists(name) and not (name.endswith(".json") and os.path.isfile(name))
 
 
 def resolve(model: str | None, overrides: dict) -> tuple[str | None, dict]:
