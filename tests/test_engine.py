@@ -70,12 +70,32 @@ def test_repetition_penalty_matches_transformers(llm, llama_dir):
     assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
 
 
-def test_presence_and_frequency_penalties_change_choices(llm):
+def penalized_greedy_reference(model, prompt, n, presence=0.0, frequency=0.0):
+    """Greedy decoding from transformers' logits with vLLM's penalties, step by step: every
+    generated token's logit minus ``frequency`` x its count so far and ``presence`` if it occurred."""
+    import torch
+
+    tokens = []
+    for _ in range(n):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens])).logits[0, -1].double()
+        counts = torch.bincount(torch.tensor(tokens, dtype=torch.long), minlength=logits.shape[0])
+        logits = logits - frequency * counts - presence * (counts > 0)
+        tokens.append(int(logits.argmax()))
+    return tokens
+
+
+def test_presence_and_frequency_penalties_change_choices(llm, llama_dir):
     prompt = random_prompts(np.random.default_rng(6), [10])[0]
     plain = llm.generate([prompt], greedy(24), use_tqdm=False)[0].outputs[0].token_ids
-    for kw in (dict(presence_penalty=2.0), dict(frequency_penalty=2.0)):
-        got = llm.generate([prompt], greedy(24, **kw), use_tqdm=False)[0].outputs[0].token_ids
-        assert len(set(got)) >= len(set(plain)), kw
+    assert plain == penalized_greedy_reference(llama_dir[1], prompt, 24)
+    assert len(set(plain)) < len(plain), "the plain output must repeat a token for penalties to act on"
+    for kw in (dict(presence=2.0), dict(frequency=2.0), dict(frequency=0.5), dict(presence=-1.0)):
+        got = llm.generate([prompt], greedy(24, **{f"{k}_penalty": v for k, v in kw.items()}),
+                           use_tqdm=False)[0].outputs[0].token_ids
+        assert got == penalized_greedy_reference(llama_dir[1], prompt, 24, **kw), kw
+        if list(kw.values())[0] >= 2.0:
+            assert got != plain and len(set(got)) > len(set(plain)), kw  # fewer repeats
 
 
 def test_stop_token_ids_min_tokens_and_max_tokens(llm):

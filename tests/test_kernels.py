@@ -350,13 +350,21 @@ def test_auto_backend_on_cpu_is_reference():
 
 
 def test_donated_pool_is_updated_in_place():
+  """Donating the pool to a jitted write_kv hands its buffers over: the inputs are deleted, the
+  compiled module aliases k_pages -> output 0 and v_pages -> output 1, and the outputs hold the write."""
   k, v, kn, vn, slots = _cache_inputs()
   want = pk.write_kv_reference(k, v, kn, vn, slots)
   step = jax.jit(functools.partial(pk.write_kv, backend="tpu", interpret=True),
                  donate_argnums=(0, 1))
+  hlo = step.lower(k, v, kn, vn, slots).compile().as_text()
+  assert "input_output_alias={ {0}: (0, {}, may-alias), {1}: (1, {}, may-alias) }" in hlo
   got = step(k, v, kn, vn, slots)
+  assert k.is_deleted() and v.is_deleted(), "the donated pool was copied, not reused"
+  assert not kn.is_deleted() and not slots.is_deleted()
   for g, w in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  with pytest.raises(RuntimeError, match="deleted|donated"):
+    np.asarray(k)
 
 
 def test_bad_inputs_raise():
