@@ -17,11 +17,18 @@ from jpaged.loading.gguf_loader import default_model_path, load_gguf, permute_qk
 # --------------------------------------------------------------------------- helpers
 
 
-def llama_cpp_permute(w, n_head, n_head_kv):
-    """Verbatim logic of llama.cpp convert_hf_to_gguf.py `LlamaModel.permute` (HF -> GGUF)."""
-    if n_head_kv is not None and n_head != n_head_kv:
-        n_head = n_head_kv
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+def gguf_row_order(w, n_head):
+    """HF -> GGUF q/k rows from the layouts' definitions, row by row (an oracle independent of
+    `permute_qk`'s reshape): within each head of ``d`` rows, rope pairs HF rows ``(j, j + d/2)``
+    ("rotate half") and GGUF rows ``(2j, 2j + 1)`` (interleaved); so HF row ``i * d/2 + j`` of a head
+    becomes its GGUF row ``2j + i``. ``n_head``: this projection's heads (the kv heads for k)."""
+    d = w.shape[0] // n_head
+    out = np.empty_like(w)
+    for h in range(n_head):
+        for i in range(2):
+            for j in range(d // 2):
+                out[h * d + 2 * j + i] = w[h * d + i * d // 2 + j]
+    return out
 
 
 def byte_level_alphabet():
@@ -120,9 +127,9 @@ def write_tiny_gguf(path, arch, weights, qtype):
     expected = {}
     for name, arr in weights.items():
         if permuted and ".q_proj." in name:
-            arr = llama_cpp_permute(arr, TINY["heads"], TINY["heads"])
+            arr = gguf_row_order(arr, TINY["heads"])
         elif permuted and ".k_proj." in name:
-            arr = llama_cpp_permute(arr, TINY["heads"], TINY["kv_heads"])
+            arr = gguf_row_order(arr, TINY["kv_heads"])
         if arr.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:  # llama.cpp keeps norms/biases F32
             w.add_tensor(gguf_name(name), arr)
         elif qtype == gguf.GGMLQuantizationType.F16:
@@ -221,12 +228,12 @@ def test_dtype_argument(tmp_path):
         np.testing.assert_array_equal(arr, weights[name].astype(np.float16))
 
 
-def test_permutation_matches_llama_cpp():
+def test_permutation_matches_the_row_order():
     rng = np.random.default_rng(2)
     for n_head, rows, cols in [(9, 576, 8), (3, 192, 5), (4, 64, 1)]:
         w = rng.standard_normal((rows, cols)).astype(np.float32)
-        np.testing.assert_array_equal(permute_qk(w, n_head), llama_cpp_permute(w, n_head, n_head))
-        np.testing.assert_array_equal(unpermute_qk(llama_cpp_permute(w, n_head, n_head), n_head), w)
+        np.testing.assert_array_equal(permute_qk(w, n_head), gguf_row_order(w, n_head))
+        np.testing.assert_array_equal(unpermute_qk(gguf_row_order(w, n_head), n_head), w)
         b = w[:, 0].copy()  # biases are permuted the same way
         np.testing.assert_array_equal(unpermute_qk(permute_qk(b, n_head), n_head), b)
 
