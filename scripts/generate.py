@@ -27,7 +27,7 @@ DEFAULT_PROMPTS = [
 
 F = flags.FLAGS
 flags.DEFINE_string("model", None, "HF directory, .gguf file or preset; default: embedded SmolLM2-135M-Instruct")
-flags.DEFINE_string("config", None, "Preset from configs/ (model + engine settings); flags override it")
+flags.DEFINE_string("config", None, "Preset name or .json file (model + engine settings); --model and flags override it")
 flags.DEFINE_multi_string("prompt", [], "A prompt (repeat for a batch)")
 flags.DEFINE_string("prompts_file", None, "A file with one prompt per line")
 flags.DEFINE_bool("chat", True, "Wrap prompts in the tokenizer's chat template when it has one")
@@ -106,6 +106,22 @@ def read_prompts() -> list[str]:
     return prompts or DEFAULT_PROMPTS
 
 
+def model_and_settings() -> tuple[str | None, dict]:
+    """(--model or the --config preset's model, engine settings: the preset's, then the flags')."""
+    settings = {k: getattr(F, k) for k in ENGINE_FLAGS if getattr(F, k) is not None}
+    if F.config is not None:
+        preset = presets.load_preset(F.config)
+        if preset is None:
+            raise ValueError(f"--config={F.config!r}: not a preset (presets: {', '.join(presets.list_presets())})")
+        preset = dict(preset)
+        model = preset.pop("model", None)
+        settings = {**preset, **settings}
+        if F.model is None:
+            return model, settings
+    presets.resolve(F.model, settings)  # the model path or preset exists
+    return F.model, settings
+
+
 def summary(outputs, elapsed: float, metrics: dict) -> str:
     """One line: requests and sequences, tokens, throughput, first token, KV cache, compilations."""
     n_seqs = sum(len(o.outputs) for o in outputs)
@@ -115,11 +131,14 @@ def summary(outputs, elapsed: float, metrics: dict) -> str:
     if n_seqs != len(outputs):
         what += f" ({n_seqs} sequences)"
     timed = [o.metrics for o in outputs if o.metrics is not None and o.metrics.first_token_time is not None]
-    ttft = (f"first token after {min(m.first_token_time for m in timed) - min(m.arrival_time for m in timed):.2f} s, "
-            if timed else "")
+    first = ""
+    if timed:
+        first_token = min(m.first_token_time for m in timed)
+        first = (f"first token {first_token - min(m.arrival_time for m in timed):.2f} s after the first request "
+                 f"({first_token - PROCESS_START:.1f} s after start), ")
     return (f"{what}, {n_in} prompt + {n_out} generated tokens in {elapsed:.2f} s: "
-            f"{n_out / elapsed:.1f} output tok/s, {(n_in + n_out) / elapsed:.1f} total tok/s; {ttft}"
-            f"{time.time() - PROCESS_START:.1f} s since start; "
+            f"{n_out / elapsed:.1f} output tok/s, {(n_in + n_out) / elapsed:.1f} total tok/s; {first}"
+            f"{time.time() - PROCESS_START:.1f} s in all; "
             f"peak KV cache usage {metrics['peak_kv_cache_usage']:.1%} of {metrics['num_total_blocks']} blocks, "
             f"{metrics['num_preemptions']} preemptions, {metrics['num_compilations']} compilations")
 
@@ -130,12 +149,11 @@ def main(argv):
     try:
         params = sampling_params()
         prompts = read_prompts()
-        engine_kwargs = {k: getattr(F, k) for k in ENGINE_FLAGS if getattr(F, k) is not None}
-        presets.resolve(F.model or F.config, engine_kwargs)  # the model path or preset exists
+        model, engine_kwargs = model_and_settings()
         from jpaged.llm import LLM, engine_config  # imports JAX
 
-        engine_config(F.model or F.config, **engine_kwargs)  # every engine setting valid; loads nothing
-        llm = LLM(F.model or F.config, **engine_kwargs)
+        engine_config(model, **engine_kwargs)  # every engine setting valid; loads nothing
+        llm = LLM(model, **engine_kwargs)
         tokenizer = llm.get_tokenizer()
         if F.chat and tokenizer is not None and tokenizer.chat_template:
             inputs = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,

@@ -35,6 +35,7 @@ def test_bad_flags_are_one_line_before_loading(flag, needle):
 
 def test_missing_model_and_bad_engine_setting(tmp_path):
     assert_one_line_error(run_script("generate.py", f"--model={tmp_path / 'nope'}"), "model=", "nope")
+    assert_one_line_error(run_script("generate.py", "--config=nope"), "--config='nope': not a preset")
     assert_one_line_error(run_script("generate.py", f"--model={tmp_path}", "--block_size=3"),
                           "block_size=3")
 
@@ -66,7 +67,7 @@ def test_parallel_samples_under_one_header_and_summary(llama_dir, tmp_path):
         assert out.count(f"[{k}/3] ") == 1
     summary = out.strip().splitlines()[-1]
     assert summary.startswith("1 request (3 sequences), ") and " 12 generated tokens" in summary, summary
-    assert "first token after " in summary and " s since start" in summary
+    assert "first token " in summary and " s after start)" in summary and " s in all;" in summary
     assert "Unable to initialize backend" not in result.stderr
 
 
