@@ -1,6 +1,5 @@
 """The benchmark scripts run end to end on a tiny model (smoke tests: no timing asserted), and their
 workloads and bench model come from the project itself."""
-import os
 import sys
 
 import numpy as np

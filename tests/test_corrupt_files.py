@@ -2,7 +2,6 @@
 JSONDecodeError / KeyError / SafetensorError / struct.error from the library underneath."""
 import json
 import os
-import shutil
 
 import jax.numpy as jnp
 import numpy as np
