@@ -5,7 +5,6 @@ checking in a command line tool) does not pay for importing JAX, Flax and transf
 """
 import importlib
 import logging
-import os
 
 __version__ = "0.1.0"
 
@@ -35,18 +34,22 @@ def __dir__():
 
 
 # --- Quiet start-up: two library messages that are not for jpaged's users ----------------------
-# transformers, imported without torch (jpaged never needs it), advises at import that "PyTorch was
-# not found"; the variable drops only its advisory messages, and a user's own setting wins.
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+class _DropMessage(logging.Filter):
+    """Drops the records of one logger whose message starts with ``prefix``, at ``max_level`` or
+    below; every other record passes."""
 
-
-class _DropBackendProbe(logging.Filter):
-    """JAX probes every platform plugin it finds and logs at INFO each one it cannot start
-    ("Unable to initialize backend 'tpu': ... libtpu.so"), which absl-based scripts print. Only
-    those INFO records are dropped; a platform that was asked for still raises."""
+    def __init__(self, prefix: str, max_level: int):
+        super().__init__()
+        self.prefix, self.max_level = prefix, max_level
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno <= logging.INFO and str(record.msg).startswith("Unable to initialize backend"))
+        return not (record.levelno <= self.max_level and str(record.msg).startswith(self.prefix))
 
 
-logging.getLogger("jax._src.xla_bridge").addFilter(_DropBackendProbe())
+# JAX probes every platform plugin it finds and logs at INFO each one it cannot start ("Unable to
+# initialize backend 'tpu': ... libtpu.so"), which absl-based scripts print. A platform that was
+# asked for (JAX_PLATFORMS) still raises.
+logging.getLogger("jax._src.xla_bridge").addFilter(_DropMessage("Unable to initialize backend", logging.INFO))
+# transformers imported without torch (jpaged never needs it) advises that "PyTorch was not found";
+# its other warnings pass.
+logging.getLogger("transformers").addFilter(_DropMessage("PyTorch was not found", logging.WARNING))
