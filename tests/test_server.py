@@ -118,6 +118,14 @@ def test_completion_shapes_and_usage(srv):
     assert [c.index for c in r3.choices] == [0, 1] and r3.choices[0].text == r.choices[0].text
     echo = srv.client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, echo=True, **GREEDY)
     assert echo.choices[0].text == "Hello" + r.choices[0].text
+    r4 = srv.client.completions.create(model=MODEL, prompt=[ids, srv.tokenizer.encode("Other prompt")], max_tokens=8,
+                                       **GREEDY)
+    assert [c.text for c in r4.choices] == [c.text for c in r3.choices]
+    # a repeated 40-token prompt finds its first two 16-token blocks in the prefix cache
+    long = "The same forty characters, sent twice.."
+    for expected_cached in (0, 32):
+        r5 = srv.client.completions.create(model=MODEL, prompt=long, max_tokens=2, **GREEDY)
+        assert r5.usage.prompt_tokens_details.cached_tokens == expected_cached
 
 
 def _stream_text(stream) -> tuple[dict, dict, object]:
@@ -256,6 +264,45 @@ def test_disconnected_stream_is_aborted(srv):
     assert aborted and aborted[0] >= 1
 
 
+def test_disconnected_non_streaming_request_is_aborted(srv):
+    body = json.dumps({"model": MODEL, "prompt": "Never read", "max_tokens": 900, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    port = int(srv.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: "
+                  + str(len(body)).encode() + b"\r\n\r\n" + body)
+        deadline = time.time() + 20
+        while srv.engine.num_running == 0 and time.time() < deadline:
+            time.sleep(0.02)
+        assert srv.engine.num_running == 1
+    m = wait_all_blocks_free(srv)  # the connection closed: the request was aborted, its blocks freed
+    assert m["num_free_blocks"] == m["num_total_blocks"] and srv.engine.num_running == 0
+
+
+def test_engine_failure_is_a_500_or_an_error_event(srv, monkeypatch):
+    engine = srv.engine.engine
+    real_step = engine.step
+    failures = [2]
+
+    def failing_step():
+        if failures[0]:
+            failures[0] -= 1
+            raise RuntimeError("simulated device failure")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", failing_step)
+    with pytest.raises(openai.InternalServerError) as e:
+        srv.client.completions.create(model=MODEL, prompt="fail", max_tokens=4)
+    assert e.value.status_code == 500 and "simulated device failure" in e.value.body["message"]
+    with pytest.raises(openai.APIError, match="simulated device failure"):
+        list(srv.client.completions.create(model=MODEL, prompt="fail", max_tokens=4, stream=True))
+    r = srv.client.completions.create(model=MODEL, prompt="after", max_tokens=4, **GREEDY)  # still serving
+    assert r.choices[0].finish_reason == "length"
+    m = wait_all_blocks_free(srv)
+    assert m["num_free_blocks"] == m["num_total_blocks"]
+
+
 def test_errors_are_openai_shaped(srv):
     bad_key = openai.OpenAI(api_key="wrong", base_url=srv.url + "/v1", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
@@ -387,3 +434,27 @@ def test_sigterm_finishes_in_flight_and_exits(llama_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_async_engine_front_directly(srv):
+    """AsyncLLMEngine alone: deltas add up to the cumulative output; a plain thread can add and read."""
+    from jpaged import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
+
+    async def both():
+        finals = [out async for out in srv.engine.generate("direct", params)]
+        deltas = [out async for out in srv.engine.generate("direct", params, delta=True)]
+        return finals[-1], deltas
+
+    final, deltas = asyncio.run(both())
+    assert final.finished and deltas[-1].finished
+    assert "".join(c.text for d in deltas for c in d.outputs) == final.outputs[0].text
+    assert [t for d in deltas for c in d.outputs for t in c.token_ids] == final.outputs[0].token_ids
+    assert [lp for d in deltas for c in d.outputs for lp in c.logprobs] == final.outputs[0].logprobs
+    stream = srv.engine.add_request(None, "direct", params)  # from this (non-async) thread
+    assert stream.added.result(timeout=30) is None
+    assert [out for out in stream][-1].outputs[0].token_ids == final.outputs[0].token_ids
+    with pytest.raises(ValueError, match="prompt"):
+        srv.engine.add_request(None, "", params).added.result(timeout=30)
+    assert srv.engine.num_waiting == srv.engine.num_running == 0

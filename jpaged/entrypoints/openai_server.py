@@ -74,14 +74,16 @@ class OpenAIServing:
             self._token_text[token_id] = text
         return text
 
-    async def start(self, request_id: str, prompts: list, params, delta: bool, prompt_param: str) -> list:
+    async def start(self, request_id: str, prompts: list, params, delta: bool, prompt_param: str,
+                    cache_salt: str | None = None) -> list:
         """Adds one engine request per prompt; all accepted, or none (then the APIError)."""
         if not self.engine.is_running:
             raise APIError(503, "the engine is not running (shutting down)", type="server_error")
         streams = []
         try:
             for i, prompt in enumerate(prompts):
-                streams.append(self.engine.add_request(f"{request_id}-{i}", prompt, params, delta=delta))
+                streams.append(self.engine.add_request(f"{request_id}-{i}", prompt, params, delta=delta,
+                                                       cache_salt=cache_salt))
             results = await asyncio.gather(*(asyncio.wrap_future(s.added) for s in streams), return_exceptions=True)
         except QueueFullError as e:
             self.abort(streams)
@@ -208,7 +210,7 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(e) from None
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self.start(request_id, prompts, params, body.stream, "prompt")
+        streams = await self.start(request_id, prompts, params, body.stream, "prompt", body.cache_salt)
         created = int(time.time())
         base = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
         if body.stream:
@@ -275,7 +277,7 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(e, "messages") from None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self.start(request_id, [prompt], params, body.stream, "messages")
+        streams = await self.start(request_id, [prompt], params, body.stream, "messages", body.cache_salt)
         base = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name}
         if body.stream:
             return StreamingResponse(self.error_events(self._chat_events(body, streams[0], base)),

@@ -2,7 +2,8 @@
 
 Unknown fields are ignored, as most OpenAI-compatible servers do. Beyond OpenAI's fields, the
 sampling knobs jpaged has are accepted too (``top_k``, ``min_p``, ``min_tokens``,
-``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``; pass them with ``extra_body``).
+``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``cache_salt``; pass them with
+``extra_body``).
 """
 from typing import Any
 
@@ -33,6 +34,7 @@ class _SamplingRequest(BaseModel):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
+    cache_salt: str | None = None  # prefix-cache isolation: only requests with the same salt share blocks
     stream: bool = False
     stream_options: StreamOptions | None = None
 
