@@ -9,6 +9,7 @@ first chunk), TPOT ((finish - first chunk) / (tokens - 1)) and ITL (gaps between
 p50 and p99.
 """
 import asyncio
+import logging
 import time
 
 import numpy as np
@@ -34,6 +35,8 @@ async def run(base_url: str, api_key: str, model: str | None, requests, arrivals
     """Sends ``requests`` [(prompt ids, max_tokens)] at ``arrivals`` (seconds); one record each."""
     import openai
 
+    for name in ("httpx", "httpx2", "openai"):  # one log line per request otherwise
+        logging.getLogger(name).setLevel(logging.WARNING)
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key or "none", max_retries=0, timeout=3600)
     try:
         if model is None:

@@ -39,14 +39,17 @@ def error_response(status: int, message: str, type: str = "invalid_request_error
                         status_code=status)
 
 
+REQUEST_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
+
+
 def bad_request(e: ValueError, prompt_param: str = "prompt") -> APIError:
-    """A 400 naming the field the ValueError names (``SamplingParams.top_p=...`` -> ``top_p``)."""
+    """A 400 naming the request field the ValueError names (``SamplingParams.top_p=...`` -> ``top_p``)."""
     message = str(e)
-    m = re.match(r"(?:prompts\[\d+\]: )?(?:SamplingParams\.)?(\w+)", message)
+    m = re.match(r"(?:prompts?\[\d+\]: )?(?:SamplingParams\.)?(\w+)", message)
     param = m.group(1) if m else None
-    if param in ("prompt", "prompt_token_ids", "chat", "messages"):
+    if param in ("prompt", "prompt_token_ids", "chat", "chat_template", "messages"):
         param = prompt_param
-    return APIError(400, message, param=param)
+    return APIError(400, message, param=param if param in REQUEST_FIELDS else None)
 
 
 def _sse(payload) -> str:
@@ -88,6 +91,9 @@ class OpenAIServing:
         except QueueFullError as e:
             self.abort(streams)
             raise APIError(503, str(e), type="server_error", code="queue_full") from None
+        except RuntimeError as e:  # shutting down
+            self.abort(streams)
+            raise APIError(503, str(e), type="server_error") from None
         except BaseException:
             self.abort(streams)
             raise
@@ -118,7 +124,9 @@ class OpenAIServing:
             try:
                 async for out in stream:
                     await queue.put((i, out))
-            except BaseException as e:  # noqa: BLE001 -- re-raised by the reader
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 -- re-raised by the reader
                 await queue.put((i, e))
             finally:
                 await queue.put((i, None))
