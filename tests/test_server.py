@@ -392,7 +392,7 @@ def test_http_benchmark_smoke(srv, tmp_path):
         "    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(4, 12))] for _ in range(n)], [4] * n\n")
     result = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "benchmark_serving.py"),
                              f"--base_url={srv.url}/v1", f"--api_key={API_KEY}", f"--peers_dir={tmp_path}",
-                             "--num_requests=6", "--request_rates=20", "--http_vocab_size=256"],
+                             "--num_requests=6", "--request_rates=20", "--http_vocab_size=256", "--warmup_requests=0"],
                             capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "requests/s" in result.stdout and "output tok/s" in result.stdout and "TTFT" in result.stdout

@@ -10,13 +10,16 @@ flight finish for up to ``--shutdown_timeout`` seconds, aborts the rest and exit
 """
 import logging
 import os
+import sys
 
 from absl import app, flags
 
+from jpaged.entrypoints import engine_flags
 from jpaged.entrypoints.engine_flags import define_engine_flags, llm_args
 
 F = flags.FLAGS
 define_engine_flags()
+flags.adopt_module_key_flags(engine_flags)  # so that --help lists them
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on")
 flags.DEFINE_integer("port", 8000, "Port to listen on")
 flags.DEFINE_string("api_key", os.environ.get("JPAGED_API_KEY"),
@@ -56,7 +59,9 @@ def main(argv):
 
 
 def run():
-    """Console-script entry point (``jpaged-serve``)."""
+    """Entry point of ``jpaged-serve`` and ``scripts/serve.py``."""
+    for flag in F.get_key_flags_for_module(sys.modules[__name__]):  # --help lists the flags of the
+        F.register_key_flag_for_module(sys.argv[0], flag)             # program's main module
     app.run(main)
 
 
