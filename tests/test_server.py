@@ -222,13 +222,19 @@ def test_logprobs(srv):
 
 def test_32_concurrent_streams_complete(srv):
     async def one(client, i):
-        stream = await client.completions.create(model=MODEL, prompt=f"Concurrent request {i}", max_tokens=8,
-                                                 stream=True, **GREEDY)
-        text, reason = "", None
+        if i % 2:  # half chat, half completions
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"Concurrent chat {i}"}], max_completion_tokens=8,
+                stream=True, stream_options={"include_usage": True}, **GREEDY)
+        else:
+            stream = await client.completions.create(model=MODEL, prompt=f"Concurrent request {i}", max_tokens=8,
+                                                     stream=True, stream_options={"include_usage": True}, **GREEDY)
+        reason, usage = None, None
         async for chunk in stream:
+            usage = chunk.usage or usage
             for c in chunk.choices:
-                text += c.text
                 reason = c.finish_reason or reason
+        assert usage.completion_tokens == 8
         return reason
 
     async def main():
