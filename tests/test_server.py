@@ -363,7 +363,7 @@ def test_queue_full_is_503(srv):
         with pytest.raises(openai.InternalServerError) as e:  # the openai client's class for 5xx
             srv.client.completions.create(model=MODEL, prompt="one too many", max_tokens=3)
         assert e.value.status_code == 503 and e.value.body["code"] == "queue_full"
-        assert time.time() - start < 5  # at once, not after the queue drains
+        assert time.time() - start < 10  # at once, not after the queue drains
     finally:
         srv.engine.max_queued_requests = None
         gate.set()

@@ -13,7 +13,8 @@ ENGINE_FLAGS = ["dtype", "block_size", "num_kv_blocks", "kv_cache_memory_bytes",
 
 def define_engine_flags(flag_values=flags.FLAGS) -> None:
     f = dict(flag_values=flag_values)
-    flags.DEFINE_string("model", None, "HF directory, .gguf file or preset; default: embedded SmolLM2-135M-Instruct", **f)
+    flags.DEFINE_string("model", None, "HF directory, .gguf file or preset; default: embedded SmolLM2-135M-Instruct",
+                        **f)
     flags.DEFINE_string("config", None, "Preset from configs/ (model + engine settings); flags override it", **f)
     flags.DEFINE_enum("dtype", None, ["auto", "float32", "bfloat16", "float16"], "Weights and KV cache dtype", **f)
     flags.DEFINE_integer("block_size", None, "Tokens per KV block", **f)

@@ -25,7 +25,8 @@ flags.DEFINE_integer("port", 8000, "Port to listen on")
 flags.DEFINE_string("api_key", os.environ.get("JPAGED_API_KEY"),
                     "If set, every /v1 call needs `Authorization: Bearer <key>` (default: $JPAGED_API_KEY)")
 flags.DEFINE_string("served_model_name", None, "Model name in the API (default: --model or --config)")
-flags.DEFINE_integer("max_queued_requests", None, "Waiting requests beyond which new ones get a 503 (default: no limit)")
+flags.DEFINE_integer("max_queued_requests", None,
+                     "Waiting requests beyond which new ones get a 503 (default: no limit)")
 flags.DEFINE_string("chat_template", None, "Jinja chat template (a file or the template itself); "
                     "default: the tokenizer's")
 flags.DEFINE_float("shutdown_timeout", 10.0, "Seconds in-flight requests get to finish after SIGTERM")
