@@ -335,6 +335,10 @@ def test_errors_are_openai_shaped(srv):
     with pytest.raises(openai.NotFoundError) as e:
         srv.client.completions.create(model="no-such-model", prompt="x")
     assert e.value.body["code"] == "model_not_found"
+    assert set(e.value.body) == {"message", "type", "param", "code"}
+    status, body = http(srv, "GET", "/v1/no-such-route")
+    assert status == 404
+    assert_openai_error(body)
     # none of that touched the engine: the next request is served, and no block is held
     assert srv.client.completions.create(model=MODEL, prompt="fine", max_tokens=2).choices[0].finish_reason
     m = wait_all_blocks_free(srv)
@@ -363,6 +367,7 @@ def test_queue_full_is_503(srv):
         with pytest.raises(openai.InternalServerError) as e:  # the openai client's class for 5xx
             srv.client.completions.create(model=MODEL, prompt="one too many", max_tokens=3)
         assert e.value.status_code == 503 and e.value.body["code"] == "queue_full"
+        assert set(e.value.body) == {"message", "type", "param", "code"}
         assert time.time() - start < 10  # at once, not after the queue drains
     finally:
         srv.engine.max_queued_requests = None
