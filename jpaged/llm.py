@@ -97,6 +97,25 @@ class LLM:
                 raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
         return self._run(self._add_all(prompts, params), use_tqdm)
 
+    def chat(self, messages, sampling_params=None, *, chat_template: str | None = None,
+             add_generation_prompt: bool = True, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generates replies to one conversation (a list of ``{"role", "content"}`` dicts) or to a
+        list of them, each rendered with ``chat_template`` or the tokenizer's own (GGUF metadata or
+        ``tokenizer_config.json``); ValueError when there is none. One output per conversation."""
+        from jpaged.chat import apply_chat_template, is_conversation
+
+        conversations = [messages] if is_conversation(messages) else list(messages)
+        if not conversations:
+            raise ValueError("messages: expected a conversation or a non-empty list of conversations")
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            try:
+                prompts.append(apply_chat_template(self.get_tokenizer(), conversation, chat_template,
+                                                   add_generation_prompt))
+            except ValueError as e:
+                raise ValueError(f"messages[{i}]: {e}" if len(conversations) > 1 else str(e)) from None
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Beam search for each prompt inside the engine (beams share blocks); beams best first."""
         prompts = self._prompt_list(prompts)

@@ -11,6 +11,10 @@ requests of end-to-end seconds / output tokens), TTFT (arrival to first token), 
 token, per token after the first) and ITL (gaps between consecutive tokens) percentiles, and plots
 normalized latency against rate, one line per allocator (``--out_dir``/serving.png).
 
+With ``--base_url`` the same workload goes over HTTP to an OpenAI-compatible server instead (this
+project's ``scripts/serve.py`` or ``vllm serve``; see serving_client.py), reporting request and
+output-token throughput and TTFT / TPOT / ITL.
+
 Takes the model, workload and engine flags of benchmark_throughput.py. Before measuring, each engine
 serves ``--warmup_requests`` requests offline, so most compilations happen outside the timed runs.
 """
@@ -31,6 +35,11 @@ flags.DEFINE_list("request_rates", ["1", "2", "4"], "Mean arrivals per second (P
 flags.DEFINE_integer("arrival_seed", 0, "Seed of the arrival times")
 flags.DEFINE_integer("warmup_requests", 8, "Requests served offline first (compilations), not measured")
 flags.DEFINE_string("out_dir", os.path.join(REPO_ROOT, "docs"), "Where serving.png goes ('' for none)")
+# HTTP mode (serving_client.py): the same workload sent to an OpenAI-compatible server
+flags.DEFINE_string("base_url", None, "e.g. http://127.0.0.1:8000/v1: benchmark that server instead of in-process")
+flags.DEFINE_string("api_key", None, "HTTP mode: the server's API key")
+flags.DEFINE_string("served_model", None, "HTTP mode: model name to send (default: the server's first)")
+flags.DEFINE_integer("http_vocab_size", 32000, "HTTP mode: vocabulary the workload's token ids are drawn from")
 
 
 def poisson_arrivals(rate: float, n: int, seed: int) -> np.ndarray:
@@ -100,6 +109,8 @@ def plot(results: dict[str, dict[float, dict]], path: str) -> None:
 def main(argv):
     del argv
     rates = [float(r) for r in F.request_rates]
+    if F.base_url:
+        return http_main(rates)
     model = F.model or bench_model_dir(F.cache_dir)
     results: dict[str, dict[float, dict]] = {}
     for allocator in F.allocator:
@@ -125,6 +136,16 @@ def main(argv):
         path = os.path.join(F.out_dir, "serving.png")
         plot(results, path)
         print(f"wrote {path}")
+
+
+def http_main(rates: list[float]) -> None:
+    import serving_client
+
+    prompts, output_lens = load_workload(F.peers_dir, F.workload, F.http_vocab_size, F.num_requests, F.seed,
+                                         F.length_scale)
+    requests = list(zip(prompts, output_lens))
+    serving_client.main(F.base_url, F.api_key, F.served_model, requests, rates,
+                        lambda rate: poisson_arrivals(rate, len(requests), F.arrival_seed), F.warmup_requests)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,340 @@
+"""AsyncLLMEngine: the engine loop on its own thread, requests from any thread or coroutine.
+
+Only the loop thread touches the LLMEngine. Between steps it runs the calls queued by other threads
+(add, abort, metrics), then steps while there is work and hands each request's outputs to its
+`RequestStream`. A stream is read with ``async for`` (or a plain ``for`` from a thread); it yields
+the request's newest cumulative `RequestOutput`, or with ``delta=True`` only what is new since the
+previous one (each advanced completion's new text, token ids and logprobs; text that might still
+turn out to be the start of a stop string is held back until it cannot). A reader that leaves early
+aborts its request, which frees its blocks on the loop's next turn.
+
+``max_queued_requests`` bounds the requests waiting (added but not yet scheduled): past it,
+`add_request` raises `QueueFullError` at once.
+"""
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+
+from jpaged.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than ``max_queued_requests`` allows."""
+
+
+class EngineError(RuntimeError):
+    """An engine step failed; the requests in flight were aborted."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The request was aborted before the engine produced an output for it."""
+
+
+class RequestStream:
+    """The outputs of one request, filled by the engine thread, read by one consumer."""
+
+    def __init__(self, request_id: str, stop, abort, delta: bool):
+        self.request_id = request_id
+        self.finished = False
+        self.added: concurrent.futures.Future | None = None  # resolves when the engine accepted it
+        self._abort, self._delta = abort, delta
+        self._holdback = max((len(s) for s in stop or ()), default=1) - 1
+        self._sent: dict[int, tuple[int, int, int]] = {}  # index -> chars, tokens, logprobs sent
+        self._done: set[int] = set()                      # indices whose finish was sent
+        self._lock = threading.Lock()
+        self._items: list = []
+        self._ready = threading.Event()
+        try:
+            self._loop, self._event = asyncio.get_running_loop(), asyncio.Event()
+        except RuntimeError:
+            self._loop = self._event = None
+
+    def put(self, item) -> None:
+        """A RequestOutput or an exception (engine thread)."""
+        with self._lock:
+            self._items.append(item)
+        self._ready.set()
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._event.set)
+            except RuntimeError:  # the consumer's loop is closed
+                pass
+
+    def _next(self) -> RequestOutput | None:
+        with self._lock:
+            items, self._items = self._items, []
+        for item in items:
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+        if not items:
+            return None
+        out = items[-1]  # outputs are cumulative: the newest says everything
+        self.finished = out.finished
+        return self._delta_of(out) if self._delta else out
+
+    def _delta_of(self, out: RequestOutput) -> RequestOutput | None:
+        changed = []
+        for c in out.outputs:
+            chars, tokens, lps = self._sent.get(c.index, (0, 0, 0))
+            done = c.finish_reason is not None
+            visible = len(c.text) if done else max(chars, len(c.text) - self._holdback)
+            text, token_ids = c.text[chars:visible], c.token_ids[tokens:]
+            if not (text or token_ids or (done and c.index not in self._done)):
+                continue
+            logprobs = None if c.logprobs is None else c.logprobs[lps:]
+            self._sent[c.index] = (max(chars, visible), len(c.token_ids), len(c.logprobs or ()))
+            if done:
+                self._done.add(c.index)
+            changed.append(dataclasses.replace(c, text=text, token_ids=token_ids, logprobs=logprobs))
+        if not changed and not out.finished:
+            return None
+        return dataclasses.replace(out, outputs=changed)
+
+    async def __aiter__(self):
+        if self._loop is None:
+            raise RuntimeError("RequestStream: created outside an event loop; iterate it with `for`")
+        try:
+            while not self.finished:
+                await self._event.wait()
+                self._event.clear()
+                out = self._next()
+                if out is not None:
+                    yield out
+        finally:
+            if not self.finished:
+                self._abort(self.request_id)
+
+    def __iter__(self):
+        try:
+            while not self.finished:
+                self._ready.wait()
+                self._ready.clear()
+                out = self._next()
+                if out is not None:
+                    yield out
+        finally:
+            if not self.finished:
+                self._abort(self.request_id)
+
+
+class AsyncLLMEngine:
+    """Serves an `LLMEngine` from a background thread.
+
+    ``on_output(output, num_new_tokens, now)`` (optional) is called on the loop thread for every
+    output, aborted ones included: the server's Prometheus metrics hang there.
+    """
+
+    def __init__(self, engine, *, max_queued_requests: int | None = None, on_output=None):
+        if max_queued_requests is not None and max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests={max_queued_requests}: must be >= 0 or None")
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_queued_requests = max_queued_requests
+        self.on_output = on_output
+        self._lock = threading.Lock()
+        self._calls: collections.deque = collections.deque()
+        self._streams: dict[str, RequestStream] = {}
+        self._admitted: set[str] = set()  # requests the scheduler has taken (seen in a step's outputs)
+        self._num_tokens: dict[str, int] = {}
+        self._wakeup = threading.Event()
+        self._stopping = self._closed = False
+        self._thread = threading.Thread(target=self._run, name="jpaged-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_args(cls, model: str | None = None, *, max_queued_requests: int | None = None, **engine_kwargs):
+        """Builds the engine with ``LLM(model, **engine_kwargs)``'s settings."""
+        from jpaged.llm import LLM
+
+        return cls(LLM(model, **engine_kwargs).llm_engine, max_queued_requests=max_queued_requests)
+
+    # State -------------------------------------------------------------------------------------------
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    @property
+    def num_running(self) -> int:
+        with self._lock:
+            return len(self._admitted)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests added (or being added) that the scheduler has not taken yet."""
+        with self._lock:
+            return len(self._streams) - len(self._admitted)
+
+    # Requests ------------------------------------------------------------------------------------------
+    def add_request(self, request_id, prompt, params=None, *, cache_salt: str | None = None,
+                    delta: bool = False) -> RequestStream:
+        """Queues a request from any thread; returns its stream at once. ``stream.added`` (a
+        concurrent future) raises the engine's ValueError if the request is rejected."""
+        request_id = uuid.uuid4().hex if request_id is None else str(request_id)
+        stream = RequestStream(request_id, getattr(params, "stop", None), self.abort, delta)
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("the engine is shutting down")
+            if request_id in self._streams:
+                raise ValueError(f"request_id={request_id!r}: already in use")
+            waiting = len(self._streams) - len(self._admitted)
+            if self.max_queued_requests is not None and waiting >= self.max_queued_requests:
+                raise QueueFullError(f"{waiting} requests are waiting (max_queued_requests="
+                                     f"{self.max_queued_requests}); retry later")
+            self._streams[request_id] = stream
+        stream.added = self.call(lambda: self._add(request_id, prompt, params, cache_salt))
+        return stream
+
+    async def add(self, request_id, prompt, params=None, *, cache_salt: str | None = None,
+                  delta: bool = False) -> RequestStream:
+        """`add_request`, awaiting the engine's acceptance (ValueError for a bad request)."""
+        stream = self.add_request(request_id, prompt, params, cache_salt=cache_salt, delta=delta)
+        try:
+            await asyncio.wrap_future(stream.added)
+        except BaseException:
+            self.abort(stream.request_id)
+            raise
+        return stream
+
+    async def generate(self, prompt, params=None, request_id=None, *, cache_salt: str | None = None,
+                       delta: bool = False):
+        """Async iterator over one request's outputs (cumulative, or deltas)."""
+        stream = await self.add(request_id, prompt, params, cache_salt=cache_salt, delta=delta)
+        async for out in stream:
+            yield out
+
+    def abort(self, request_id) -> concurrent.futures.Future:
+        """Aborts a request from any thread; its blocks are freed before the next step."""
+        return self.call(lambda: self._abort(str(request_id)))
+
+    async def get_metrics(self) -> dict:
+        """The engine's `get_metrics()`, read on the loop thread between steps."""
+        return await asyncio.wrap_future(self.call(self.engine.get_metrics))
+
+    def call(self, fn) -> concurrent.futures.Future:
+        """Runs ``fn()`` on the loop thread between steps; its result or exception in the future."""
+        future = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                future.set_exception(RuntimeError("the engine is shut down"))
+                return future
+            self._calls.append((fn, future))
+        self._wakeup.set()
+        return future
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Aborts every request and stops the loop thread."""
+        with self._lock:
+            self._stopping = True
+        self._wakeup.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    # The loop thread -----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            self._run_calls()
+            if self._stopping:
+                break
+            if not self.engine.has_unfinished_requests():
+                self._wakeup.wait()
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # noqa: BLE001 -- fail the requests in flight, keep serving
+                logger.exception("engine step failed")
+                self._fail_all(e)
+                continue
+            if not outputs:
+                time.sleep(0.0005)  # nothing could be scheduled this step
+            self._dispatch(outputs)
+        for request_id in list(self._streams):
+            self._abort(request_id)
+        with self._lock:
+            self._closed = True
+        self._run_calls()
+
+    def _run_calls(self) -> None:
+        while True:
+            with self._lock:
+                if not self._calls:
+                    return
+                fn, future = self._calls.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 -- handed to the caller
+                future.set_exception(e)
+
+    def _add(self, request_id, prompt, params, cache_salt) -> None:
+        with self._lock:
+            if request_id not in self._streams:  # aborted before it was added
+                raise RequestAbortedError(f"request {request_id} was aborted")
+        try:
+            self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
+        except BaseException:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            raise
+
+    def _abort(self, request_id: str) -> None:
+        out = self.engine.abort_request(request_id)
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+            self._admitted.discard(request_id)
+        self._num_tokens.pop(request_id, None)
+        if out is not None and self.on_output is not None:
+            self._notify(out, 0)
+        if stream is not None:
+            stream.put(out if out is not None else RequestAbortedError(f"request {request_id} was aborted"))
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            rid = out.request_id
+            with self._lock:
+                stream = self._streams.get(rid)
+                if out.finished:
+                    self._streams.pop(rid, None)
+                    self._admitted.discard(rid)
+                elif stream is not None:
+                    self._admitted.add(rid)
+            num_tokens = sum(len(c.token_ids) for c in out.outputs)
+            new = num_tokens - self._num_tokens.get(rid, 0)
+            if out.finished:
+                self._num_tokens.pop(rid, None)
+            else:
+                self._num_tokens[rid] = num_tokens
+            if self.on_output is not None:
+                self._notify(out, max(new, 0))
+            if stream is not None:
+                stream.put(out)
+
+    def _notify(self, out: RequestOutput, new: int) -> None:
+        try:
+            self.on_output(out, new, time.time())
+        except Exception:  # noqa: BLE001 -- metrics must never stop the loop
+            logger.exception("on_output failed")
+
+    def _fail_all(self, error: Exception) -> None:
+        with self._lock:
+            ids = list(self._streams)
+        for request_id in ids:
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # noqa: BLE001
+                logger.exception("abort after a failed step")
+            with self._lock:
+                stream = self._streams.pop(request_id, None)
+                self._admitted.discard(request_id)
+            self._num_tokens.pop(request_id, None)
+            if stream is not None:
+                stream.put(EngineError(f"engine step failed: {error}"))

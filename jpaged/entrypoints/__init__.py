@@ -1,0 +1,1 @@
+"""Ways to run jpaged: the OpenAI-compatible server (``openai_server``, ``serve``)."""

@@ -1,0 +1,428 @@
+"""An OpenAI-compatible HTTP server (FastAPI) over an `AsyncLLMEngine`.
+
+``create_app(async_engine, served_model_name=...)`` returns the app; ``scripts/serve.py`` runs it
+with uvicorn. Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
+``POST /v1/chat/completions`` (``stream: true`` sends server-sent events ending ``data: [DONE]``),
+``GET /metrics`` (Prometheus). Errors have OpenAI's shape ``{"error": {"message", "type", "param",
+"code"}}``: 400 for bad JSON, parameters or prompts, 401 without the API key, 404 for an unknown
+model, 503 when ``max_queued_requests`` are already waiting, 500 when the engine fails a request.
+A client that disconnects aborts its requests.
+"""
+import asyncio
+import contextlib
+import hmac
+import json
+import re
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jpaged.async_engine import AsyncLLMEngine, EngineError, QueueFullError, RequestAbortedError
+from jpaged.chat import apply_chat_template
+from jpaged.entrypoints.metrics import ServerMetrics
+from jpaged.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param=None, code=None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+
+def error_response(status: int, message: str, type: str = "invalid_request_error", param=None, code=None):
+    return JSONResponse({"error": {"message": message, "type": type, "param": param, "code": code}},
+                        status_code=status)
+
+
+REQUEST_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
+
+
+def bad_request(e: ValueError, prompt_param: str = "prompt") -> APIError:
+    """A 400 naming the request field the ValueError names (``SamplingParams.top_p=...`` -> ``top_p``)."""
+    message = str(e)
+    m = re.match(r"(?:prompts?\[\d+\]: )?(?:SamplingParams\.)?(\w+)", message)
+    param = m.group(1) if m else None
+    if param in ("prompt", "prompt_token_ids", "chat", "chat_template", "messages"):
+        param = prompt_param
+    return APIError(400, message, param=param if param in REQUEST_FIELDS else None)
+
+
+def _sse(payload) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+class OpenAIServing:
+    """The request handlers, sharing the engine, the tokenizer and the model name."""
+
+    def __init__(self, async_engine: AsyncLLMEngine, model_name: str, chat_template: str | None):
+        self.engine, self.model_name, self.chat_template = async_engine, model_name, chat_template
+        self.tokenizer = async_engine.tokenizer
+        self._token_text: dict[int, str] = {}
+
+    # Helpers --------------------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist (this server serves `{self.model_name}`).",
+                           param="model", code="model_not_found")
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+            self._token_text[token_id] = text
+        return text
+
+    async def start(self, request_id: str, prompts: list, params, delta: bool, prompt_param: str,
+                    cache_salt: str | None = None) -> list:
+        """Adds one engine request per prompt; all accepted, or none (then the APIError)."""
+        if not self.engine.is_running:
+            raise APIError(503, "the engine is not running (shutting down)", type="server_error")
+        streams = []
+        try:
+            for i, prompt in enumerate(prompts):
+                streams.append(self.engine.add_request(f"{request_id}-{i}", prompt, params, delta=delta,
+                                                       cache_salt=cache_salt))
+            results = await asyncio.gather(*(asyncio.wrap_future(s.added) for s in streams), return_exceptions=True)
+        except QueueFullError as e:
+            self.abort(streams)
+            raise APIError(503, str(e), type="server_error", code="queue_full") from None
+        except RuntimeError as e:  # shutting down
+            self.abort(streams)
+            raise APIError(503, str(e), type="server_error") from None
+        except BaseException:
+            self.abort(streams)
+            raise
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            self.abort(streams)
+            e = errors[0]
+            if isinstance(e, ValueError):
+                raise bad_request(ValueError(f"prompt[{results.index(e)}]: {e}" if len(prompts) > 1 else str(e)),
+                                  prompt_param)
+            raise e
+        return streams
+
+    def abort(self, streams) -> None:
+        for s in streams:
+            if not s.finished:
+                self.engine.abort(s.request_id)
+
+    async def merged(self, streams):
+        """(prompt index, output) from all streams, as they come."""
+        if len(streams) == 1:
+            async for out in streams[0]:
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, stream):
+            try:
+                async for out in stream:
+                    await queue.put((i, out))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 -- re-raised by the reader
+                await queue.put((i, e))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(streams)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def collect(self, streams, raw: Request) -> list:
+        """Each stream's final output; a client that disconnects first aborts them all."""
+        async def last(stream):
+            out = None
+            async for out in stream:
+                pass
+            return out
+
+        work = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
+        watch = asyncio.ensure_future(_wait_for_disconnect(raw))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                self.abort(streams)
+                work.cancel()
+                raise APIError(499, "client disconnected")
+            outs = work.result()
+        except (EngineError, RequestAbortedError) as e:
+            raise APIError(500, str(e), type="server_error") from None
+        finally:
+            watch.cancel()
+            self.abort(streams)
+        for out in outs:
+            if any(c.finish_reason == "error" for c in out.outputs):
+                raise APIError(500, "the engine failed while generating this request", type="server_error")
+        return outs
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def completion_logprobs(self, token_ids, logprobs, offset: int) -> dict:
+        """OpenAI completions' logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+        result = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t, entry in zip(token_ids, logprobs or ()):
+            text = self.token_text(t)
+            result["tokens"].append(text)
+            result["token_logprobs"].append(entry.get(t))
+            result["top_logprobs"].append({self.token_text(k): v for k, v in entry.items()})
+            result["text_offset"].append(offset)
+            offset += len(text)
+        return result
+
+    def chat_logprobs(self, token_ids, logprobs, top: int) -> dict:
+        content = []
+        for t, entry in zip(token_ids, logprobs or ()):
+            best = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
+            content.append({"token": self.token_text(t), "logprob": entry.get(t),
+                            "bytes": list(self.token_text(t).encode()),
+                            "top_logprobs": [{"token": self.token_text(k), "logprob": v,
+                                              "bytes": list(self.token_text(k).encode())} for k, v in best]})
+        return {"content": content}
+
+    async def error_events(self, gen):
+        """Server-sent events from ``gen``; a failing engine ends the stream with an error event."""
+        try:
+            async for event in gen:
+                yield event
+        except (EngineError, RequestAbortedError) as e:
+            yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+        yield "data: [DONE]\n\n"
+
+    # Completions -------------------------------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest, raw: Request):
+        self.check_model(body.model)
+        try:
+            params = body.sampling_params()
+            prompts = body.prompts()
+        except ValueError as e:
+            raise bad_request(e) from None
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = await self.start(request_id, prompts, params, body.stream, "prompt", body.cache_salt)
+        created = int(time.time())
+        base = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
+        if body.stream:
+            return StreamingResponse(self.error_events(self._completion_events(body, streams, base)),
+                                     media_type="text/event-stream")
+        outs = await self.collect(streams, raw)
+        choices, completion_tokens = [], 0
+        for i, out in enumerate(outs):
+            prompt_text = self._prompt_text(out) if body.echo else ""
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                logprobs = (self.completion_logprobs(c.token_ids, c.logprobs, 0)
+                            if body.logprobs is not None else None)
+                choices.append({"index": i * body.n + c.index, "text": prompt_text + c.text, "logprobs": logprobs,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        choices.sort(key=lambda ch: ch["index"])
+        usage = self.usage(sum(len(o.prompt_token_ids) for o in outs), completion_tokens,
+                           sum(o.num_cached_tokens for o in outs))
+        return {**base, "choices": choices, "usage": usage}
+
+    def _prompt_text(self, out) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        return self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer is not None else ""
+
+    async def _completion_events(self, body: CompletionRequest, streams, base: dict):
+        prompt_tokens = completion_tokens = cached = 0
+        offsets: dict[int, int] = {}
+        seen = set()
+        try:
+            async for i, out in self.merged(streams):
+                if i not in seen:
+                    seen.add(i)
+                    prompt_tokens += len(out.prompt_token_ids)
+                    cached += out.num_cached_tokens
+                    if body.echo:
+                        text = self._prompt_text(out)
+                        yield _sse({**base, "choices": [{"index": i * body.n + j, "text": text, "logprobs": None,
+                                                         "finish_reason": None} for j in range(body.n)]})
+                for c in out.outputs:
+                    if c.finish_reason == "error":
+                        raise EngineError("the engine failed while generating this request")
+                    index = i * body.n + c.index
+                    completion_tokens += len(c.token_ids)
+                    logprobs = None
+                    if body.logprobs is not None:
+                        logprobs = self.completion_logprobs(c.token_ids, c.logprobs, offsets.get(index, 0))
+                        offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
+                    yield _sse({**base, "choices": [{"index": index, "text": c.text, "logprobs": logprobs,
+                                                     "finish_reason": c.finish_reason,
+                                                     "stop_reason": c.stop_reason}]})
+            if body.include_usage:
+                yield _sse({**base, "choices": [], "usage": self.usage(prompt_tokens, completion_tokens, cached)})
+        finally:
+            self.abort(streams)
+
+    # Chat -----------------------------------------------------------------------------------------------
+    async def chat(self, body: ChatCompletionRequest, raw: Request):
+        self.check_model(body.model)
+        try:
+            params = body.sampling_params()
+            prompt = apply_chat_template(self.tokenizer, body.messages, self.chat_template,
+                                         body.add_generation_prompt)
+        except ValueError as e:
+            raise bad_request(e, "messages") from None
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self.start(request_id, [prompt], params, body.stream, "messages", body.cache_salt)
+        base = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name}
+        if body.stream:
+            return StreamingResponse(self.error_events(self._chat_events(body, streams[0], base)),
+                                     media_type="text/event-stream")
+        out = (await self.collect(streams, raw))[0]
+        top = body.top_logprobs or 0
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self.chat_logprobs(c.token_ids, c.logprobs, top) if body.logprobs else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                   for c in sorted(out.outputs, key=lambda c: c.index)]
+        usage = self.usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs),
+                           out.num_cached_tokens)
+        return {**base, "choices": choices, "usage": usage}
+
+    async def _chat_events(self, body: ChatCompletionRequest, stream, base: dict):
+        base = {**base, "object": "chat.completion.chunk"}
+        top = body.top_logprobs or 0
+        prompt_tokens = completion_tokens = cached = 0
+        try:
+            for j in range(body.n):
+                yield _sse({**base, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}]})
+            async for out in stream:
+                prompt_tokens, cached = len(out.prompt_token_ids), out.num_cached_tokens
+                for c in out.outputs:
+                    if c.finish_reason == "error":
+                        raise EngineError("the engine failed while generating this request")
+                    completion_tokens += len(c.token_ids)
+                    delta = {"content": c.text} if c.text else {}
+                    logprobs = self.chat_logprobs(c.token_ids, c.logprobs, top) if body.logprobs else None
+                    yield _sse({**base, "choices": [{"index": c.index, "delta": delta, "logprobs": logprobs,
+                                                     "finish_reason": c.finish_reason,
+                                                     "stop_reason": c.stop_reason}]})
+            if body.include_usage:
+                yield _sse({**base, "choices": [], "usage": self.usage(prompt_tokens, completion_tokens, cached)})
+        finally:
+            self.abort([stream])
+
+    # Models -----------------------------------------------------------------------------------------------
+    def models(self) -> dict:
+        card = {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "jpaged",
+                "root": self.model_name, "parent": None}
+        max_model_len = getattr(self.engine.engine, "max_model_len", None)
+        if max_model_len is not None:
+            card["max_model_len"] = max_model_len
+        return {"object": "list", "data": [card]}
+
+
+class APIKeyMiddleware:
+    """401 for every ``/v1`` call without ``Authorization: Bearer <api_key>`` (plain ASGI, so that
+    streaming and disconnects pass through untouched)."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response(401, "Incorrect or missing API key (send `Authorization: Bearer <key>`).",
+                                          code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def create_app(async_engine: AsyncLLMEngine, *, served_model_name: str, api_key: str | None = None,
+               chat_template: str | None = None, metrics: ServerMetrics | None = None) -> FastAPI:
+    """The FastAPI app. Its shutdown (e.g. uvicorn's on SIGTERM) shuts the engine down.
+
+    Pass ``metrics`` when it was built before the engine (so that its ``on_output`` is the engine's);
+    otherwise the app makes one and hooks it in.
+    """
+    if metrics is None:
+        metrics = ServerMetrics(async_engine, served_model_name)
+        async_engine.on_output = metrics.on_output
+    serving = OpenAIServing(async_engine, served_model_name, chat_template)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await asyncio.to_thread(async_engine.shutdown)
+
+    app = FastAPI(title="jpaged", lifespan=lifespan)
+    app.state.serving, app.state.metrics = serving, metrics
+
+    if api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    @app.exception_handler(APIError)
+    async def api_error(request, e: APIError):
+        return error_response(e.status, e.message, e.type, e.param, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request, e: RequestValidationError):
+        first = (e.errors() or [{}])[0]
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"Invalid JSON body: {first.get('msg', '')}")
+        param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None  # loc[0] is "body"
+        message = first.get("msg", "invalid request")
+        return error_response(400, f"{param}: {message}" if param else message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, e: StarletteHTTPException):
+        return error_response(e.status_code, str(e.detail), code=None if e.status_code != 404 else "not_found")
+
+    @app.exception_handler(Exception)
+    async def internal_error(request, e: Exception):
+        return error_response(500, f"internal error: {e}", type="server_error")
+
+    @app.get("/health")
+    async def health():
+        if not async_engine.is_running:
+            return error_response(503, "the engine is not running", type="server_error")
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models():
+        return serving.models()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        return await serving.completions(body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        return await serving.chat(body, raw)
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(await metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

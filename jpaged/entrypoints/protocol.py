@@ -1,0 +1,95 @@
+"""OpenAI request shapes (pydantic) and their translation to `SamplingParams`.
+
+Unknown fields are ignored, as most OpenAI-compatible servers do. Beyond OpenAI's fields, the
+sampling knobs jpaged has are accepted too (``top_k``, ``min_p``, ``min_tokens``,
+``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``cache_salt``; pass them with
+``extra_body``).
+"""
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from jpaged.sampling_params import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    cache_salt: str | None = None  # prefix-cache isolation: only requests with the same salt share blocks
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError naming the field (SamplingParams' own checks)."""
+        return SamplingParams(
+            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None or self.top_k == -1 else self.top_k,
+            min_p=self.min_p or 0.0, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
+            stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        if self.suffix:
+            raise ValueError("suffix: not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo: not supported together with logprobs (prompt logprobs are not computed)")
+        return self._params(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+
+    def prompts(self) -> list:
+        """The prompts as a list of texts or token-id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            prompts = [p]
+        elif p and all(isinstance(t, int) for t in p):
+            prompts = [list(p)]
+        else:
+            prompts = list(p)
+        if not prompts:
+            raise ValueError("prompt: empty")
+        return prompts
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    def sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs=true")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)

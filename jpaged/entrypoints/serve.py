@@ -1,0 +1,70 @@
+"""The OpenAI-compatible server: ``jpaged-serve`` or ``python scripts/serve.py``.
+
+  jpaged-serve                                             # embedded SmolLM2-135M-Instruct on :8000
+  jpaged-serve --model path/to/hf_dir --host 0.0.0.0 --port 8000 --api_key sk-local
+  jpaged-serve --config smollm2-135m-instruct --max_num_seqs 64 --max_queued_requests 256
+
+The engine loads and compiles its first step before the port opens, so ``GET /health`` answers 200
+as soon as it answers at all. SIGTERM (or Ctrl-C) stops accepting connections, lets requests in
+flight finish for up to ``--shutdown_timeout`` seconds, aborts the rest and exits.
+"""
+import logging
+import os
+import sys
+
+from absl import app, flags
+
+from jpaged.entrypoints import engine_flags
+from jpaged.entrypoints.engine_flags import define_engine_flags, llm_args
+
+F = flags.FLAGS
+define_engine_flags()
+flags.adopt_module_key_flags(engine_flags)  # so that --help lists them
+flags.DEFINE_string("host", "127.0.0.1", "Address to listen on")
+flags.DEFINE_integer("port", 8000, "Port to listen on")
+flags.DEFINE_string("api_key", os.environ.get("JPAGED_API_KEY"),
+                    "If set, every /v1 call needs `Authorization: Bearer <key>` (default: $JPAGED_API_KEY)")
+flags.DEFINE_string("served_model_name", None, "Model name in the API (default: --model or --config)")
+flags.DEFINE_integer("max_queued_requests", None,
+                     "Waiting requests beyond which new ones get a 503 (default: no limit)")
+flags.DEFINE_string("chat_template", None, "Jinja chat template (a file or the template itself); "
+                    "default: the tokenizer's")
+flags.DEFINE_float("shutdown_timeout", 10.0, "Seconds in-flight requests get to finish after SIGTERM")
+flags.DEFINE_enum("log_level", "info", ["critical", "error", "warning", "info", "debug"], "uvicorn log level")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def build_app():
+    """Loads the engine (warm-up included) and returns the FastAPI app."""
+    from jpaged.async_engine import AsyncLLMEngine
+    from jpaged.entrypoints.openai_server import create_app
+
+    model, kwargs = llm_args()
+    async_engine = AsyncLLMEngine.from_args(model, max_queued_requests=F.max_queued_requests, **kwargs)
+    chat_template = F.chat_template
+    if chat_template and os.path.isfile(chat_template):
+        with open(chat_template) as f:
+            chat_template = f.read()
+    name = F.served_model_name or (model.rstrip("/") if model else DEFAULT_MODEL_NAME)
+    return create_app(async_engine, served_model_name=name, api_key=F.api_key or None, chat_template=chat_template)
+
+
+def main(argv):
+    del argv
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO)
+    uvicorn.run(build_app(), host=F.host, port=F.port, log_level=F.log_level,
+                timeout_graceful_shutdown=F.shutdown_timeout)
+
+
+def run():
+    """Entry point of ``jpaged-serve`` and ``scripts/serve.py``."""
+    for flag in F.get_key_flags_for_module(sys.modules[__name__]):  # --help lists the flags of the
+        F.register_key_flag_for_module(sys.argv[0], flag)             # program's main module
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()
