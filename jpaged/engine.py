@@ -143,6 +143,8 @@ class LLMEngine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams | BeamSearchParams) -> None:
         """Every check on a request, before it touches the scheduler or the device."""
+        if isinstance(params, (SamplingParams, BeamSearchParams)):  # vocabulary-dependent checks, grammars
+            params.validate_for_vocab(self.model_config.vocab_size, self.tokenizer)
         if isinstance(params, BeamSearchParams):
             params = SamplingParams(n=params.beam_width, max_tokens=params.max_tokens)
         if not isinstance(params, SamplingParams):

@@ -122,6 +122,10 @@ SETTINGS = [
     dict(top_p=0.8, min_p=0.25, temperature=0.9),
     dict(repetition_penalty=1.9),        # prompt tokens 3 (positive logit), 0, 9 (negative logit)
     dict(repetition_penalty=0.6, temperature=1.2, top_k=12),
+    dict(logit_bias={0: -1.5, 7: 2.0, 13: 3.0, 2: -100}),
+    dict(logit_bias={15: 4.0, 1: -0.5}, top_p=0.75, temperature=0.8, repetition_penalty=1.3),
+    dict(allowed_token_ids=[1, 4, 6, 13], temperature=1.3),
+    dict(allowed_token_ids=[0, 2, 3, 5, 8, 11], logit_bias={11: 2.5}, top_k=3),
 ]
 
 
