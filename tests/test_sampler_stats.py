@@ -169,3 +169,20 @@ def test_samples_of_one_request_are_independent(llm):
     same = int((tokens[:-1] == tokens[1:]).sum())
     p = reference_probs()
     assert stats.binomtest(same, N - 1, float((p ** 2).sum())).pvalue >= ALPHA
+
+
+def test_logprobs_of_the_whole_small_vocabulary(llm):
+    """logprobs=V (the bucket of 16 is the whole vocabulary) returns the exact distribution; more is
+    refused before any device work, as is a beam width whose 2 * width exceeds the vocabulary."""
+    from jpaged import BeamSearchParams
+
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=1, logprobs=V, seed=0), use_tqdm=False)[0]
+    lps = out.outputs[0].logprobs[0]
+    assert sorted(lps) == list(range(V))
+    x = model_logits()
+    np.testing.assert_allclose([lps[t] for t in range(V)], x - np.log(np.exp(x).sum()), atol=1e-5)
+    with pytest.raises(ValueError, match="logprobs=17"):
+        llm.generate([PROMPT], SamplingParams(logprobs=17), use_tqdm=False)
+    with pytest.raises(ValueError, match="beam_width=9"):
+        llm.beam_search([PROMPT], BeamSearchParams(beam_width=9, max_tokens=2))
+    assert len(llm.beam_search([PROMPT], BeamSearchParams(beam_width=8, max_tokens=2))[0].sequences) == 8
