@@ -161,3 +161,60 @@ def test_gguf_tokenizer_vocabulary():
     state.fill_bitmask(mask, [tok.eos_token_id])
     allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
     assert tok.eos_token_id in allowed
+
+
+@pytest.mark.slow
+def test_benchmark_json_schema_cost(capsys):
+    """Measurement (README): the default GGUF model, 8 prompts x 48 tokens at temperature 1, with and
+    without a JSON-schema constraint; grammar compile time cold and cached; host time filling masks."""
+    import jpaged.sampling_batch as sb
+    from jpaged.loading import gguf_loader
+
+    try:
+        gguf_loader.default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    llm = LLM(max_num_seqs=16, max_model_len=512)
+    tok, vocab = llm.get_tokenizer(), llm.llm_engine.model_config.vocab_size
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string"}, "age": {"type": "integer"}, "email": {"type": "string", "format": "email"},
+        "tags": {"type": "array", "items": {"type": "string"}, "minItems": 30},
+        "address": {"type": "object", "properties": {"street": {"type": "string"}, "city": {"type": "string"},
+                                                      "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["street", "city", "zip"]}},
+        "required": ["name", "age", "tags", "email", "address"]}
+    structured_output._ll_tokenizer(tok, vocab)
+    t0 = time.perf_counter()
+    structured_output.compile_grammar(SO(json=schema), tok, vocab)
+    cold = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    structured_output.compile_grammar(SO(json=schema), tok, vocab)
+    cached = time.perf_counter() - t0
+    mask_time = [0.0]
+    fill = sb._token_bitmask
+
+    def timed(rows, s_pad):
+        t = time.perf_counter()
+        out = fill(rows, s_pad)
+        mask_time[0] += time.perf_counter() - t
+        return out
+
+    sb._token_bitmask = timed
+    prompts = [f"Write a JSON record for person number {i}:" for i in range(8)]
+    lines = [f"schema compile: cold {cold * 1e3:.2f} ms, cached {cached * 1e6:.0f} us"]
+    try:
+        for so in (None, SO(json=schema), None, SO(json=schema)):
+            p = SamplingParams(temperature=1.0, seed=1, max_tokens=48, ignore_eos=so is None, structured_outputs=so)
+            llm.generate(prompts, p, use_tqdm=False)  # compiles
+            mask_time[0] = 0.0
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, p, use_tqdm=False)
+            dt = time.perf_counter() - t0
+            n = sum(len(c.token_ids) for o in outs for c in o.outputs)
+            lines.append(f"{'json-schema' if so else 'unconstrained'}: {n / dt:.1f} tok/s, host mask time "
+                         f"{mask_time[0] / dt * 100:.1f}% of the run")
+    finally:
+        sb._token_bitmask = fill
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
+    assert cached < cold
