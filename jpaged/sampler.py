@@ -81,7 +81,8 @@ def unpack_bitmask(bitmask, vocab_size):
 
 
 def apply_masks(logits, t: SamplingTensors):
-    """Structured-output bitmask, allowed_token_ids, banned tokens -> -inf."""
+    """Structured-output bitmask, allowed_token_ids, banned tokens -> -inf. Bans (``bad_words``,
+    EOS before ``min_tokens``) give way where they would leave a row no token at all."""
     rows = jnp.arange(logits.shape[0])[:, None]
     vocab = logits.shape[-1]
     if t.token_bitmask.shape[1]:
@@ -90,9 +91,10 @@ def apply_masks(logits, t: SamplingTensors):
         ids = jnp.where(t.allowed_token_ids < 0, vocab, t.allowed_token_ids)
         allowed = jnp.zeros(logits.shape, bool).at[rows, ids].set(True, mode="drop")
         logits = jnp.where(allowed | ~t.has_allowed[:, None], logits, -jnp.inf)
-    if t.banned_token_ids.shape[1]:
-        ids = jnp.where(t.banned_token_ids < 0, vocab, t.banned_token_ids)
-        logits = logits.at[rows, ids].set(-jnp.inf, mode="drop")
+    if t.banned_token_ids.shape[1]:  # a ban that would leave no token yields (e.g. a grammar that
+        ids = jnp.where(t.banned_token_ids < 0, vocab, t.banned_token_ids)  # allows only EOS)
+        banned = logits.at[rows, ids].set(-jnp.inf, mode="drop")
+        logits = jnp.where(jnp.isfinite(banned).any(axis=-1, keepdims=True), banned, logits)
     return logits
 
 

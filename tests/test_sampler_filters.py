@@ -117,6 +117,14 @@ def test_logit_bias_and_masks():
     assert got == [[0, 31, 32, 39], [3, 33], list(range(1, 40))]
 
 
+def test_a_ban_that_would_leave_nothing_gives_way():
+    logits = jnp.zeros((2, 40), jnp.float32)
+    only_eos = np.zeros((2, 2), np.uint32)
+    only_eos[:, 0] = 1 << 2
+    t = tensors(2, token_bitmask=only_eos.view(np.int32), banned_token_ids=np.array([[2], [-1]], np.int32))
+    assert kept(sampler.apply_masks(logits, t)) == [[2], [2]]
+
+
 def test_masked_tokens_never_sampled_and_bias_can_force_a_token():
     logits = jnp.zeros((2, 64), jnp.float32)
     t = tensors(2, all_greedy=False, use_filters=False, temperature=np.array([1.0, 1.0], np.float32),

@@ -15,9 +15,10 @@ from scipy import stats
 
 from jpaged import LLM, SamplingParams
 
-V = 16
+V = 24
 EPS = 1e-6
-LOGITS = np.array([2.0, 1.6, 1.3, 1.0, 0.8, 0.5, 0.3, 0.1, -0.2, -0.5, -0.8, -1.1, -1.5, -2.0, -2.6, -3.3])
+LOGITS = np.array([2.0, 1.6, 1.3, 1.0, 0.8, 0.5, 0.3, 0.1, -0.2, -0.5, -0.8, -1.1, -1.5, -2.0, -2.6, -3.3,
+                   0.9, -0.4, 1.45, -1.3, 0.2, -2.3, -0.65, -4.0])
 N = 4000
 ALPHA = 1e-4
 PROMPT = [3, 0, 9, 3]
@@ -30,7 +31,7 @@ def llm(tmp_path_factory):
 
     cfg = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                      rms_norm_eps=EPS, tie_word_embeddings=False, bos_token_id=14, eos_token_id=15,
+                      rms_norm_eps=EPS, tie_word_embeddings=False, bos_token_id=22, eos_token_id=23,
                       pad_token_id=0)
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -171,18 +172,19 @@ def test_samples_of_one_request_are_independent(llm):
     assert stats.binomtest(same, N - 1, float((p ** 2).sum())).pvalue >= ALPHA
 
 
-def test_logprobs_of_the_whole_small_vocabulary(llm):
-    """logprobs=V (the bucket of 16 is the whole vocabulary) returns the exact distribution; more is
-    refused before any device work, as is a beam width whose 2 * width exceeds the vocabulary."""
+def test_logprobs_on_a_24_token_vocabulary(llm):
+    """logprobs=20 on a 24-token vocabulary (its bucket, 32, is wider than the vocabulary) returns
+    the exact top 20; a beam width whose 2 * width exceeds the vocabulary is refused before any
+    device work, and the engine goes on serving."""
     from jpaged import BeamSearchParams
 
-    out = llm.generate([PROMPT], SamplingParams(max_tokens=1, logprobs=V, seed=0), use_tqdm=False)[0]
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=1, logprobs=20, seed=0), use_tqdm=False)[0]
     lps = out.outputs[0].logprobs[0]
-    assert sorted(lps) == list(range(V))
     x = model_logits()
-    np.testing.assert_allclose([lps[t] for t in range(V)], x - np.log(np.exp(x).sum()), atol=1e-5)
-    with pytest.raises(ValueError, match="logprobs=17"):
-        llm.generate([PROMPT], SamplingParams(logprobs=17), use_tqdm=False)
-    with pytest.raises(ValueError, match="beam_width=9"):
-        llm.beam_search([PROMPT], BeamSearchParams(beam_width=9, max_tokens=2))
-    assert len(llm.beam_search([PROMPT], BeamSearchParams(beam_width=8, max_tokens=2))[0].sequences) == 8
+    exact = x - np.log(np.exp(x).sum())
+    top = np.argsort(-exact)[:20]
+    assert set(top) <= set(lps)
+    np.testing.assert_allclose([lps[t] for t in top], exact[top], atol=1e-5)
+    with pytest.raises(ValueError, match="beam_width=13"):
+        llm.beam_search([PROMPT], BeamSearchParams(beam_width=13, max_tokens=2))
+    assert len(llm.beam_search([PROMPT], BeamSearchParams(beam_width=12, max_tokens=2))[0].sequences) == 12
