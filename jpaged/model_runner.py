@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pallas_kernels
 
-from jpaged import sharding
+from jpaged import prompt_logprobs, sharding
 from jpaged.attention import PREFILL_CHUNK, AttentionMetadata
 from jpaged.core.kv_cache_manager import KVCacheManager
 from jpaged.core.scheduler import SchedulerOutput
@@ -111,11 +111,14 @@ class ModelRunner:
     def num_compilations(self) -> int:
         return self._step._cache_size() + self._copy._cache_size()
 
-    def _step_fn(self, state, kv_caches, input_ids, md, logits_indices, sampling):
+    def _step_fn(self, state, kv_caches, input_ids, md, logits_indices, sampling, prompt_lp=None):
         model = nnx.merge(self.graphdef, state)
         hidden, kv_caches = model(input_ids, md.positions, kv_caches, md)
         logits = model.compute_logits(hidden[logits_indices])
-        return sample(logits, sampling), kv_caches
+        out = sample(logits, sampling)
+        if prompt_lp is not None:
+            out = out + prompt_logprobs.compute(model.compute_logits(hidden[prompt_lp.indices]), prompt_lp)
+        return out, kv_caches
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """All copy-on-write copies of one step, in one call."""
@@ -155,9 +158,14 @@ class ModelRunner:
         self.copy_blocks(sched.block_copies)
         rows, batch = self.prepare(sched)
         sampling = build_sampling_tensors(rows, batch["logits_indices"].shape[0], self.seed)
+        prompt_rows, prompt_targets = batch["prompt_rows"]
         with jax.set_mesh(self.mesh):
-            (tokens, logprobs, top_ids, top_lps), self.kv_caches = self._step(
-                self.state, self.kv_caches, batch["input_ids"], batch["md"], batch["logits_indices"], sampling)
+            out, self.kv_caches = self._step(
+                self.state, self.kv_caches, batch["input_ids"], batch["md"], batch["logits_indices"], sampling,
+                batch["prompt_lp"])
+        tokens, logprobs, top_ids, top_lps = out[:4]
+        if prompt_rows:
+            prompt_logprobs.record(prompt_rows, prompt_targets, out[4:])
         n = len(rows)
         return StepResult(rows, *(np.asarray(a)[:n] for a in (tokens, logprobs, top_ids, top_lps)))
 
@@ -165,6 +173,7 @@ class ModelRunner:
         bs = self.block_size
         rows, input_ids, positions, slots, seq_lens, tables = [], [], [], [], [], []
         sample_rows, logits_indices = [], []
+        prompt_rows, prompt_indices, prompt_targets = [], [], []  # prompt_logprobs
         query_start_loc = [0]
         decode_chunks, prefill_chunks = [], []  # (row, first token, num tokens)
         for sr in sched.scheduled:
@@ -185,6 +194,10 @@ class ModelRunner:
                     prefill_chunks += [(len(rows), first + c, min(PREFILL_CHUNK, n - c))
                                        for c in range(0, n, PREFILL_CHUNK)]
                 rows.append((sr, seq))
+                for p in prompt_logprobs.wanted(sr.request, seq, start, n):
+                    prompt_rows.append((sr.request, p))
+                    prompt_indices.append(first + p - start)
+                    prompt_targets.append(seq.token_ids[p + 1])
                 if sr.samples:
                     request = sr.request
                     first_of_many = (request.beam is None and len(request.seqs) == 1
@@ -221,4 +234,6 @@ class ModelRunner:
         padded_logits_indices = _padded_ids(logits_indices, 8, fill=0)
         ids = np.zeros(t_pad, np.int32)
         ids[:t] = input_ids
-        return sample_rows, {"input_ids": ids, "md": md, "logits_indices": padded_logits_indices}
+        return sample_rows, {"input_ids": ids, "md": md, "logits_indices": padded_logits_indices,
+                             "prompt_lp": prompt_logprobs.build(prompt_rows, prompt_indices, prompt_targets),
+                             "prompt_rows": (prompt_rows, prompt_targets)}

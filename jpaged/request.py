@@ -78,6 +78,7 @@ class Request:
     num_preemptions: int = 0
     beam: object | None = None  # a beam_search.BeamState for beam-search requests
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.time()))
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # filled by jpaged.prompt_logprobs
 
     def __post_init__(self):
         if not self.seqs:

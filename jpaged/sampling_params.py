@@ -126,6 +126,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -166,6 +167,8 @@ class SamplingParams:
               "must not exceed max_tokens")
         check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
               "logprobs", "must be None or an integer in [0, 20]")
+        check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+              "prompt_logprobs", "must be None or an integer in [0, 20]")
         for name in ("presence_penalty", "frequency_penalty"):
             check(_is_real(getattr(self, name)) and -2 <= getattr(self, name) <= 2, name, "must be a number in [-2, 2]")
         check(_is_real(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
@@ -198,6 +201,8 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
 
         check(self.logprobs is None or self.logprobs <= vocab_size, "logprobs",
+              f"must not exceed the vocabulary size {vocab_size}")
+        check(self.prompt_logprobs is None or self.prompt_logprobs <= vocab_size, "prompt_logprobs",
               f"must not exceed the vocabulary size {vocab_size}")
         check(not self.logit_bias or max(self.logit_bias) < vocab_size, "logit_bias",
               f"token ids must be below the vocabulary size {vocab_size}")
