@@ -7,7 +7,7 @@ the model (token ids inside the vocabulary, ``bad_words`` tokenized, grammars co
 From an OpenAI request (the server's mapping): ``temperature``, ``top_p``, ``n``, ``seed``,
 ``stop``, ``presence_penalty``, ``frequency_penalty``, ``max_tokens`` / ``max_completion_tokens``
 -> the fields of the same name; ``logprobs`` + ``top_logprobs`` (chat) or ``logprobs`` (completions)
--> ``logprobs``; ``logit_bias`` (string ids -> bias in [-100, 100]) -> ``logit_bias`` as given;
+-> ``logprobs``; ``echo`` with ``logprobs`` (completions) -> ``prompt_logprobs``; ``logit_bias`` (string ids -> bias in [-100, 100]) -> ``logit_bias`` as given;
 ``response_format`` -> ``structured_outputs=StructuredOutputsParams.from_response_format(rf)``;
 vLLM's extra fields ``structured_outputs``, ``allowed_token_ids``, ``bad_words``, ``top_k``,
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos`` -> the fields of the same name.
