@@ -7,6 +7,7 @@ import zlib
 
 import numpy as np
 
+from jpaged import structured_output
 from jpaged.sampler import SamplingTensors
 
 
@@ -44,20 +45,27 @@ def _token_bitmask(rows, s_pad: int) -> np.ndarray:
     grammars = [getattr(row.request.sampling_params, "_grammar", None) for row in rows]
     width = max((g.bitmask_width for g in grammars if g is not None), default=0)
     mask = np.full((s_pad, width), -1, np.int32)
-    filled = {}  # seq_id -> row already filled (the n first-step rows of one sequence share a state)
+    filled, copies, active = {}, [], []  # the n first-step rows of one sequence share its state
     for i, (row, grammar) in enumerate(zip(rows, grammars)):
         if grammar is None:
             continue
         seq = row.seq
         if seq.seq_id in filled:
-            mask[i] = mask[filled[seq.seq_id]]
+            copies.append((i, filled[seq.seq_id]))
             continue
+        filled[seq.seq_id] = i
         if seq.structured is None:
             seq.structured = grammar.new_state()
         seq.structured.sync(seq.output_token_ids)
-        seq.structured.fill_bitmask(mask[i, :grammar.bitmask_width], row.request.eos_token_ids)
-        mask[i, grammar.bitmask_width:] = 0
-        filled[seq.seq_id] = i
+        if seq.structured.active and grammar.bitmask_width == width:
+            active.append((seq.structured, i))
+        else:
+            seq.structured.fill_bitmask(mask[i, :grammar.bitmask_width], row.request.eos_token_ids)
+            mask[i, grammar.bitmask_width:] = 0
+    if active:
+        structured_output.fill_bitmasks(active, mask)
+    for i, j in copies:
+        mask[i] = mask[j]
     return mask
 
 

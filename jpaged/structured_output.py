@@ -69,16 +69,38 @@ class StructuredState:
             self.matcher.consume_tokens(new)
         self.num_consumed = len(output_token_ids)
 
+    @property
+    def active(self) -> bool:
+        """False once the grammar has finished or failed; then only EOS is allowed (`fill_bitmask`)."""
+        return not (self.matcher.is_stopped() or self.matcher.is_error())
+
     def fill_bitmask(self, out: np.ndarray, eos_token_ids) -> None:
-        """Writes the allowed next tokens into ``out`` (int32 words). A finished or failed grammar
-        allows only EOS, so the sequence ends."""
-        if self.matcher.is_stopped() or self.matcher.is_error():
+        """Writes the allowed next tokens into ``out`` (int32 words)."""
+        if not self.active:
             out[:] = 0
             words = out.view(np.uint32)
             for t in eos_token_ids:
                 words[t // 32] |= np.uint32(1 << (t % 32))
             return
         self.matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.size * out.itemsize)
+
+
+_executor = None
+
+
+def fill_bitmasks(states: list[tuple["StructuredState", int]], mask: np.ndarray) -> None:
+    """Fills ``mask[i]`` for each active (state, i), on llguidance's thread pool when there are several."""
+    global _executor
+    if len(states) == 1:
+        state, i = states[0]
+        state.fill_bitmask(mask[i], ())
+        return
+    import llguidance
+
+    if _executor is None:
+        _executor = llguidance.LLExecutor()
+    _executor.unsafe_compute_mask_ptr([(s.matcher, i) for s, i in states], mask.ctypes.data,
+                                      mask.shape[1] * 4, mask.shape[0])
 
 
 def grammar_text(spec) -> str:
