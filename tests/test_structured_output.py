@@ -218,3 +218,14 @@ def test_benchmark_json_schema_cost(capsys):
     with capsys.disabled():
         print("\n" + "\n".join(lines))
     assert cached < cold
+
+
+def test_parallel_and_serial_bitmasks_agree(llm, monkeypatch):
+    """Many constrained rows in one step (their masks filled on llguidance's thread pool) give the
+    same tokens as the serial path."""
+    prompts = random_prompts(np.random.default_rng(4), [6] * 4)
+    params = constrained(SO(regex=REGEX), n=5, seed=9, max_tokens=12)
+    parallel = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setattr(structured_output, "PARALLEL_MIN_ROWS", 10 ** 6)
+    serial = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert parallel == serial
