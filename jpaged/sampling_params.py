@@ -7,7 +7,8 @@ the model (token ids inside the vocabulary, ``bad_words`` tokenized, grammars co
 From an OpenAI request (the server's mapping): ``temperature``, ``top_p``, ``n``, ``seed``,
 ``stop``, ``presence_penalty``, ``frequency_penalty``, ``max_tokens`` / ``max_completion_tokens``
 -> the fields of the same name; ``logprobs`` + ``top_logprobs`` (chat) or ``logprobs`` (completions)
--> ``logprobs``; ``echo`` with ``logprobs`` (completions) -> ``prompt_logprobs``; ``logit_bias`` (string ids -> bias in [-100, 100]) -> ``logit_bias`` as given;
+-> ``logprobs``; ``echo`` with ``logprobs`` (completions) -> ``prompt_logprobs``;
+``logit_bias`` (string ids -> bias in [-100, 100]) -> ``logit_bias`` as given;
 ``response_format`` -> ``structured_outputs=StructuredOutputsParams.from_response_format(rf)``;
 vLLM's extra fields ``structured_outputs``, ``allowed_token_ids``, ``bad_words``, ``top_k``,
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos`` -> the fields of the same name.
@@ -126,7 +127,6 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
-    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -135,6 +135,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):

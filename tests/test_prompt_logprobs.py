@@ -46,6 +46,13 @@ def test_equal_to_transformers_with_chunked_prefill_and_cache(llm, llama_dir):
     assert m["num_free_blocks"] == m["num_total_blocks"]
 
 
+def test_parallel_samples_share_one_report(llm, llama_dir):
+    prompt = random_prompts(np.random.default_rng(1), [30])[0]
+    out = llm.generate([prompt], SamplingParams(n=3, seed=2, max_tokens=4, prompt_logprobs=1), use_tqdm=False)[0]
+    assert len(out.outputs) == 3
+    check(out, prompt, hf_prompt_logprobs(llama_dir[1], prompt), 1)
+
+
 def test_refused_above_the_vocabulary():
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=21)

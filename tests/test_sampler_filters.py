@@ -153,7 +153,8 @@ def test_num_logprobs_bucket_wider_than_vocabulary():
 
 
 def _row(output, prompt=(1, 2), *, min_tokens=0, bad=(), eos=(9,), stop_ids=()):
-    p = types.SimpleNamespace(min_tokens=min_tokens, stop_token_ids=list(stop_ids), _bad_word_ids=[list(w) for w in bad])
+    p = types.SimpleNamespace(min_tokens=min_tokens, stop_token_ids=list(stop_ids),
+                              _bad_word_ids=[list(w) for w in bad])
     request = types.SimpleNamespace(sampling_params=p, eos_token_ids=eos)
     seq = types.SimpleNamespace(output_token_ids=list(output), num_output_tokens=len(output))
     return request, seq

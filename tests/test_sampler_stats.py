@@ -97,7 +97,8 @@ def assert_fits(tokens, expected_counts, what):
         assert obs[0] == len(tokens), what
         return
     p_value = stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
-    assert p_value >= ALPHA, f"{what}: chi-square p={p_value:.2e}, counts {counts.tolist()} vs {expected.round(1).tolist()}"
+    assert p_value >= ALPHA, \
+        f"{what}: chi-square p={p_value:.2e}, counts {counts.tolist()} vs {expected.round(1).tolist()}"
 
 
 def sample_tokens(llm, max_tokens=1, **kw):
