@@ -84,17 +84,20 @@ def test_json_object_and_mixed_batch(llm):
 
 def test_preemption_and_prefix_caching_keep_the_grammar_state(llama_dir, llm):
     """Seeded constrained requests give the same tokens on a roomy pool, on a pool so small that they
-    are preempted and recomputed, and again when their prompt is served from the prefix cache."""
+    are preempted (recomputed, or swapped out and in), and again when their prompt is served from the
+    prefix cache."""
     rng = np.random.default_rng(3)
     prompts = random_prompts(rng, [30] * 6)
     params = [constrained(SO(json=SCHEMA), seed=int(s), n=2, max_tokens=48) for s in rng.integers(0, 1000, 6)]
     ref = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
     # prefix caching off here: n > 1 + recompute + prefix caching is issue 10's scheduler bug
-    small = LLM(llama_dir[0], num_kv_blocks=24, block_size=8, max_model_len=128, max_num_batched_tokens=128,
-                enable_prefix_caching=False)
-    got = small.generate(prompts, params, use_tqdm=False)
-    assert small.get_metrics()["num_preemptions"] > 0
-    assert [[c.token_ids for c in o.outputs] for o in got] == ref
+    for mode in ("recompute", "swap"):
+        small = LLM(llama_dir[0], num_kv_blocks=24, block_size=8, max_model_len=128, max_num_batched_tokens=128,
+                    enable_prefix_caching=False, preemption_mode=mode, swap_space_bytes=1 << 26)
+        got = small.generate(prompts, params, use_tqdm=False)
+        m = small.get_metrics()
+        assert m["num_preemptions"] > 0 and (mode == "recompute" or m["num_swap_outs"] > 0), (mode, m)
+        assert [[c.token_ids for c in o.outputs] for o in got] == ref, mode
     again = llm.generate(prompts, params, use_tqdm=False)
     assert sum(o.num_cached_tokens for o in again) > 0
     assert [[c.token_ids for c in o.outputs] for o in again] == ref
@@ -211,6 +214,9 @@ def test_benchmark_json_schema_cost(capsys):
             outs = llm.generate(prompts, p, use_tqdm=False)
             dt = time.perf_counter() - t0
             n = sum(len(c.token_ids) for o in outs for c in o.outputs)
+            if so is not None:  # what the real model wrote parses wherever it finished
+                for c in (c for o in outs for c in o.outputs if c.finish_reason == "stop"):
+                    jsonschema.validate(json.loads(c.text), schema)
             lines.append(f"{'json-schema' if so else 'unconstrained'}: {n / dt:.1f} tok/s, host mask time "
                          f"{mask_time[0] / dt * 100:.1f}% of the run")
     finally:
