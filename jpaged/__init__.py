@@ -13,6 +13,7 @@ _EXPORTS = {
     "LLMEngine": "jpaged.engine",
     "SamplingParams": "jpaged.sampling_params",
     "BeamSearchParams": "jpaged.sampling_params",
+    "StructuredOutputsParams": "jpaged.sampling_params",
     "RequestOutput": "jpaged.outputs",
     "CompletionOutput": "jpaged.outputs",
     "BeamSearchOutput": "jpaged.outputs",

@@ -143,6 +143,8 @@ class LLMEngine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams | BeamSearchParams) -> None:
         """Every check on a request, before it touches the scheduler or the device."""
+        if isinstance(params, (SamplingParams, BeamSearchParams)):  # vocabulary-dependent checks, grammars
+            params.validate_for_vocab(self.model_config.vocab_size, self.tokenizer)
         if isinstance(params, BeamSearchParams):
             params = SamplingParams(n=params.beam_width, max_tokens=params.max_tokens)
         if not isinstance(params, SamplingParams):
@@ -180,6 +182,8 @@ class LLMEngine:
             beam = beam_search.BeamState(params, max_new)
             params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=params.ignore_eos)
             params.logprobs = 2 * beam.params.beam_width  # each beam's top 2k next tokens
+        if getattr(params, "prompt_logprobs", None) is not None:  # cached blocks are never run: skip the cache
+            cache_salt = f"{cache_salt}/prompt_logprobs/{request_id}"
         request = Request(request_id, text, token_ids, params, next(self._arrivals),
                           eos_token_ids=self.eos_token_ids, cache_salt=cache_salt, beam=beam)
         request.seqs[0].max_tokens = min(params.max_tokens or self.max_model_len,
@@ -330,7 +334,8 @@ class LLMEngine:
                                         finish_reason=s.finish_reason, stop_reason=s.stop_reason)
                        for s in request.seqs]
         return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
-                             completions, request.finished, request.num_cached_tokens, request.metrics)
+                             completions, request.finished, request.num_cached_tokens, request.metrics,
+                             request.prompt_logprobs)
 
     def _beam_output(self, request: Request, finish_reason: str | None = None) -> RequestOutput:
         """Finished hypotheses best first (the running beams while the search goes on, or if aborted)."""

@@ -5,7 +5,6 @@ chunks), so the step compiles once per bucket combination and never again in ste
 pool is donated to the step, so XLA updates it in place.
 """
 import dataclasses
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -15,11 +14,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pallas_kernels
 
-from jpaged import sharding
+from jpaged import prompt_logprobs, sharding
 from jpaged.attention import PREFILL_CHUNK, AttentionMetadata
 from jpaged.core.kv_cache_manager import KVCacheManager
 from jpaged.core.scheduler import SchedulerOutput
-from jpaged.sampler import SamplingTensors, sample
+from jpaged.sampler import sample
+from jpaged.sampling_batch import build_sampling_tensors
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -111,11 +111,14 @@ class ModelRunner:
     def num_compilations(self) -> int:
         return self._step._cache_size() + self._copy._cache_size()
 
-    def _step_fn(self, state, kv_caches, input_ids, md, logits_indices, sampling):
+    def _step_fn(self, state, kv_caches, input_ids, md, logits_indices, sampling, prompt_lp=None):
         model = nnx.merge(self.graphdef, state)
         hidden, kv_caches = model(input_ids, md.positions, kv_caches, md)
         logits = model.compute_logits(hidden[logits_indices])
-        return sample(logits, sampling), kv_caches
+        out = sample(logits, sampling)
+        if prompt_lp is not None:
+            out = out + prompt_logprobs.compute(model.compute_logits(hidden[prompt_lp.indices]), prompt_lp)
+        return out, kv_caches
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """All copy-on-write copies of one step, in one call."""
@@ -154,10 +157,15 @@ class ModelRunner:
         self.swap_in(sched.swap_in)
         self.copy_blocks(sched.block_copies)
         rows, batch = self.prepare(sched)
-        sampling = self.sampling_tensors(rows, batch["logits_indices"].shape[0])
+        sampling = build_sampling_tensors(rows, batch["logits_indices"].shape[0], self.seed)
+        prompt_rows, prompt_targets = batch["prompt_rows"]
         with jax.set_mesh(self.mesh):
-            (tokens, logprobs, top_ids, top_lps), self.kv_caches = self._step(
-                self.state, self.kv_caches, batch["input_ids"], batch["md"], batch["logits_indices"], sampling)
+            out, self.kv_caches = self._step(
+                self.state, self.kv_caches, batch["input_ids"], batch["md"], batch["logits_indices"], sampling,
+                batch["prompt_lp"])
+        tokens, logprobs, top_ids, top_lps = out[:4]
+        if prompt_rows:
+            prompt_logprobs.record(prompt_rows, prompt_targets, out[4:])
         n = len(rows)
         return StepResult(rows, *(np.asarray(a)[:n] for a in (tokens, logprobs, top_ids, top_lps)))
 
@@ -165,6 +173,7 @@ class ModelRunner:
         bs = self.block_size
         rows, input_ids, positions, slots, seq_lens, tables = [], [], [], [], [], []
         sample_rows, logits_indices = [], []
+        prompt_rows, prompt_indices, prompt_targets = [], [], []  # prompt_logprobs
         query_start_loc = [0]
         decode_chunks, prefill_chunks = [], []  # (row, first token, num tokens)
         for sr in sched.scheduled:
@@ -185,6 +194,10 @@ class ModelRunner:
                     prefill_chunks += [(len(rows), first + c, min(PREFILL_CHUNK, n - c))
                                        for c in range(0, n, PREFILL_CHUNK)]
                 rows.append((sr, seq))
+                for p in prompt_logprobs.wanted(sr.request, seq, start, n):
+                    prompt_rows.append((sr.request, p))
+                    prompt_indices.append(first + p - start)
+                    prompt_targets.append(seq.token_ids[p + 1])
                 if sr.samples:
                     request = sr.request
                     first_of_many = (request.beam is None and len(request.seqs) == 1
@@ -221,37 +234,6 @@ class ModelRunner:
         padded_logits_indices = _padded_ids(logits_indices, 8, fill=0)
         ids = np.zeros(t_pad, np.int32)
         ids[:t] = input_ids
-        return sample_rows, {"input_ids": ids, "md": md, "logits_indices": padded_logits_indices}
-
-    def sampling_tensors(self, rows: list[SampleRow], s_pad: int) -> SamplingTensors:
-        f32 = lambda vals, fill: np.array(vals + [fill] * (s_pad - len(vals)), np.float32)  # noqa: E731
-        params = [row.request.sampling_params for row in rows]
-        seeds, banned = [], []
-        for row, p in zip(rows, params):
-            base = p.seed if p.seed is not None else f"{self.seed}/{row.request.request_id}"
-            seeds.append(zlib.crc32(f"{base}/{row.sample_index}".encode()))
-            ban = []
-            if row.seq.num_output_tokens < p.min_tokens:
-                ban = list(row.request.eos_token_ids) + p.stop_token_ids
-            banned.append(ban)
-        use_penalties = any(p.uses_penalties for p in params)
-        out_ids = [row.seq.output_token_ids for row in rows] if use_penalties else []
-        prompt_ids = [row.seq.token_ids[:row.seq.num_prompt_tokens] for row in rows] if use_penalties else []
-        pad_rows = lambda rs: _pad(rs + [[]] * (s_pad - len(rs)), bucket(max(map(len, rs), default=0), 0), -1)  # noqa: E731
-        return SamplingTensors(
-            temperature=f32([p.temperature for p in params], 0.0),
-            top_k=np.array([p.top_k for p in params] + [0] * (s_pad - len(rows)), np.int32),
-            top_p=f32([p.top_p for p in params], 1.0),
-            min_p=f32([p.min_p for p in params], 0.0),
-            seeds=np.array(seeds + [0] * (s_pad - len(rows)), np.uint32),
-            steps=np.array([row.seq.num_output_tokens for row in rows] + [0] * (s_pad - len(rows)), np.int32),
-            presence_penalty=f32([p.presence_penalty for p in params], 0.0),
-            frequency_penalty=f32([p.frequency_penalty for p in params], 0.0),
-            repetition_penalty=f32([p.repetition_penalty for p in params], 1.0),
-            output_token_ids=pad_rows(out_ids) if use_penalties else np.zeros((s_pad, 0), np.int32),
-            prompt_token_ids=pad_rows(prompt_ids) if use_penalties else np.zeros((s_pad, 0), np.int32),
-            banned_token_ids=pad_rows(banned),
-            num_logprobs=bucket(max(((p.logprobs or 0) for p in params), default=0), 0),
-            use_filters=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
-            use_penalties=use_penalties,
-            all_greedy=all(p.temperature == 0 for p in params))
+        return sample_rows, {"input_ids": ids, "md": md, "logits_indices": padded_logits_indices,
+                             "prompt_lp": prompt_logprobs.build(prompt_rows, prompt_indices, prompt_targets),
+                             "prompt_rows": (prompt_rows, prompt_targets)}

@@ -33,6 +33,7 @@ class Sequence:
     stop_reason: int | str | None = None
     text: str = ""
     block_hashes: list[int] = field(default_factory=list)  # prefix-cache keys of its full blocks
+    structured: object | None = None     # structured_output.StructuredState of a constrained request
 
     @property
     def num_tokens(self) -> int:
@@ -56,7 +57,8 @@ class Sequence:
                         index=index, max_tokens=self.max_tokens, num_computed_tokens=self.num_computed_tokens,
                         cumulative_logprob=self.cumulative_logprob,
                         logprobs=None if self.logprobs is None else list(self.logprobs),
-                        text=self.text, block_hashes=list(self.block_hashes))
+                        text=self.text, block_hashes=list(self.block_hashes),
+                        structured=None if self.structured is None else self.structured.fork())
 
 
 @dataclass(eq=False)
@@ -76,6 +78,7 @@ class Request:
     num_preemptions: int = 0
     beam: object | None = None  # a beam_search.BeamState for beam-search requests
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.time()))
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # filled by jpaged.prompt_logprobs
 
     def __post_init__(self):
         if not self.seqs:

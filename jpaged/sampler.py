@@ -1,9 +1,20 @@
 """Jitted sampling over a batch of logits rows, each row with its own parameters.
 
-Greedy, temperature, top-k, top-p, min-p, presence/frequency/repetition penalties, banned tokens
-(EOS before ``min_tokens``), and a per-row random stream: row keys are
-``fold_in(PRNGKey(seed), step)``, so a seeded request samples the same tokens whatever else is in
-the batch. Returned log-probabilities are those of the model (log-softmax of the raw logits).
+The order, for each row (see README, "Sampling options"):
+
+1. ``logit_bias`` is added to the model's logits;
+2. masks set logits to -inf: the structured-output token bitmask, ``allowed_token_ids``, and the
+   banned tokens (``bad_words`` whose preceding tokens match, EOS/stop tokens before ``min_tokens``);
+3. repetition, then frequency and presence penalties;
+4. greedy rows (``temperature == 0``) take the argmax here;
+5. the logits are divided by ``temperature``, then top-k, top-p and min-p drop tokens;
+6. a token is drawn with the Gumbel-max trick from the row's own random stream: row keys are
+   ``fold_in(PRNGKey(seed), step)``, so a seeded request samples the same tokens whatever else is in
+   the batch, and each step draws new noise.
+
+Every optional stage is skipped when no row of the batch uses it (static flags, or arrays of width
+0), so it costs nothing then. Returned log-probabilities are those of the model (log-softmax of the
+raw logits, before any of the above).
 """
 import dataclasses
 import functools
@@ -15,11 +26,16 @@ import jax.numpy as jnp
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["temperature", "top_k", "top_p", "min_p", "seeds", "steps",
                                 "presence_penalty", "frequency_penalty", "repetition_penalty",
-                                "output_token_ids", "prompt_token_ids", "banned_token_ids"],
+                                "output_token_ids", "prompt_token_ids", "banned_token_ids",
+                                "bias_token_ids", "bias_values", "allowed_token_ids", "has_allowed",
+                                "token_bitmask"],
                    meta_fields=["num_logprobs", "use_filters", "use_penalties", "all_greedy"])
 @dataclasses.dataclass
 class SamplingTensors:
-    """Per-row sampling parameters [S]; token-id arrays are padded with -1."""
+    """Per-row sampling parameters [S]; token-id arrays are padded with -1.
+
+    A ``[S, 0]`` array means no row of the batch uses that option: its stage is not traced.
+    """
 
     temperature: jax.Array
     top_k: jax.Array
@@ -33,6 +49,11 @@ class SamplingTensors:
     output_token_ids: jax.Array   # [S, Lo] (Lo = 0 without penalties)
     prompt_token_ids: jax.Array   # [S, Lp]
     banned_token_ids: jax.Array   # [S, Lb]
+    bias_token_ids: jax.Array     # [S, Lx] logit_bias keys
+    bias_values: jax.Array        # [S, Lx] float32 logit_bias values
+    allowed_token_ids: jax.Array  # [S, La]
+    has_allowed: jax.Array        # bool [S]: the row restricts itself to allowed_token_ids
+    token_bitmask: jax.Array      # int32 [S, W]: bit v % 32 of word v // 32 allows token v (W = 0: none)
     num_logprobs: int = 0         # top logprobs to return per row (static)
     use_filters: bool = False     # any top-k / top-p / min-p (static)
     use_penalties: bool = False   # any penalty (static)
@@ -47,7 +68,40 @@ def _token_counts(token_ids, vocab_size):
     return counts.at[rows, ids].add(1, mode="drop")
 
 
+def apply_logit_bias(logits, t: SamplingTensors):
+    rows = jnp.arange(logits.shape[0])[:, None]
+    ids = jnp.where(t.bias_token_ids < 0, logits.shape[-1], t.bias_token_ids)
+    return logits.at[rows, ids].add(t.bias_values, mode="drop")
+
+
+def unpack_bitmask(bitmask, vocab_size):
+    """[S, W] int32 words -> [S, V] bool (token v allowed iff bit v % 32 of word v // 32 is set)."""
+    v = jnp.arange(vocab_size)
+    return ((bitmask[:, v // 32] >> (v % 32)) & 1).astype(bool)
+
+
+def apply_masks(logits, t: SamplingTensors):
+    """Structured-output bitmask, allowed_token_ids, banned tokens -> -inf. Bans (``bad_words``,
+    EOS before ``min_tokens``) give way where they would leave a row no token at all."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    vocab = logits.shape[-1]
+    if t.token_bitmask.shape[1]:
+        logits = jnp.where(unpack_bitmask(t.token_bitmask, vocab), logits, -jnp.inf)
+    if t.allowed_token_ids.shape[1]:
+        ids = jnp.where(t.allowed_token_ids < 0, vocab, t.allowed_token_ids)
+        allowed = jnp.zeros(logits.shape, bool).at[rows, ids].set(True, mode="drop")
+        logits = jnp.where(allowed | ~t.has_allowed[:, None], logits, -jnp.inf)
+    if t.banned_token_ids.shape[1]:  # a ban that would leave no token yields (e.g. a grammar that
+        ids = jnp.where(t.banned_token_ids < 0, vocab, t.banned_token_ids)  # allows only EOS)
+        banned = logits.at[rows, ids].set(-jnp.inf, mode="drop")
+        logits = jnp.where(jnp.isfinite(banned).any(axis=-1, keepdims=True), banned, logits)
+    return logits
+
+
 def apply_penalties(logits, t: SamplingTensors):
+    """Repetition penalty on every token seen (prompt or output): positive logits divided by it,
+    negative ones multiplied; then ``frequency * count`` and ``presence * (count > 0)`` subtracted,
+    counting output tokens only."""
     vocab = logits.shape[-1]
     out_counts = _token_counts(t.output_token_ids, vocab)
     seen = (out_counts + _token_counts(t.prompt_token_ids, vocab)) > 0
@@ -58,7 +112,12 @@ def apply_penalties(logits, t: SamplingTensors):
 
 
 def apply_filters(logits, t: SamplingTensors):
-    """Top-k, then top-p, then min-p, on temperature-scaled logits (masked entries -> -inf)."""
+    """Top-k, then top-p, then min-p, on temperature-scaled logits (masked entries -> -inf).
+
+    top-k keeps the k largest logits (ties with the k-th kept too); top-p keeps, in descending
+    order, each token whose preceding probability mass (after top-k) is < top_p, so the smallest
+    prefix reaching top_p; min-p keeps tokens whose probability is >= min_p times the largest.
+    """
     vocab = logits.shape[-1]
     sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
     k = jnp.where(t.top_k > 0, jnp.minimum(t.top_k, vocab), vocab)
@@ -78,12 +137,11 @@ def apply_filters(logits, t: SamplingTensors):
 def sample(logits, t: SamplingTensors):
     """logits [S, V] float32 -> (tokens [S], logprobs [S], top_ids [S, K], top_logprobs [S, K])."""
     logprobs_all = jax.nn.log_softmax(logits, axis=-1)
+    if t.bias_token_ids.shape[1]:
+        logits = apply_logit_bias(logits, t)
+    logits = apply_masks(logits, t)
     if t.use_penalties:
         logits = apply_penalties(logits, t)
-    if t.banned_token_ids.shape[1]:
-        rows = jnp.arange(logits.shape[0])[:, None]
-        ids = jnp.where(t.banned_token_ids < 0, logits.shape[-1], t.banned_token_ids)
-        logits = logits.at[rows, ids].set(-jnp.inf, mode="drop")
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if t.all_greedy:
         return _with_logprobs(greedy_tokens, logprobs_all, t.num_logprobs)
@@ -99,6 +157,7 @@ def sample(logits, t: SamplingTensors):
 
 def _with_logprobs(tokens, logprobs_all, num_logprobs):
     token_logprobs = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
+    num_logprobs = min(num_logprobs, logprobs_all.shape[-1])  # the bucket may exceed a tiny vocabulary
     if num_logprobs:
         top_logprobs, top_ids = jax.lax.top_k(logprobs_all, num_logprobs)
     else:

@@ -1,10 +1,119 @@
-"""Per-request generation settings, validated once when the request is made."""
+"""Per-request generation settings, validated once when the request is made.
+
+Every field is type-checked: a bad value raises ``ValueError`` naming the field. Checks that need
+the model (token ids inside the vocabulary, ``bad_words`` tokenized, grammars compiled) are in
+``validate_for_vocab``, which the engine calls when a request is added.
+
+From an OpenAI request (the server's mapping): ``temperature``, ``top_p``, ``n``, ``seed``,
+``stop``, ``presence_penalty``, ``frequency_penalty``, ``max_tokens`` / ``max_completion_tokens``
+-> the fields of the same name; ``logprobs`` + ``top_logprobs`` (chat) or ``logprobs`` (completions)
+-> ``logprobs``; ``echo`` with ``logprobs`` (completions) -> ``prompt_logprobs``;
+``logit_bias`` (string ids -> bias in [-100, 100]) -> ``logit_bias`` as given;
+``response_format`` -> ``structured_outputs=StructuredOutputsParams.from_response_format(rf)``;
+vLLM's extra fields ``structured_outputs``, ``allowed_token_ids``, ``bad_words``, ``top_k``,
+``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos`` -> the fields of the same name.
+"""
+import json
+import math
+import numbers
 from dataclasses import dataclass
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    """A finite int or float (not a bool, not NaN or infinite)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrains decoding so the output always parses: set exactly one of
+
+    - ``json``: a JSON schema (dict or JSON text); the output is JSON valid against it;
+    - ``regex``: the output matches the pattern in full (Rust regex syntax);
+    - ``choice``: the output is one of these strings;
+    - ``grammar``: an EBNF grammar (llama.cpp GBNF or Lark syntax); the output is in its language;
+    - ``json_object=True``: the output is some JSON object.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self):
+        def fail(name, why):
+            raise ValueError(f"StructuredOutputsParams.{name}={getattr(self, name)!r}: {why}")
+
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object is not False:
+            if self.json_object is not True:
+                fail("json_object", "must be a bool")
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError(f"StructuredOutputsParams: set exactly one of json, regex, choice, grammar, "
+                             f"json_object (got {given or 'none'})")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    self.json = json.loads(self.json)
+                except json.JSONDecodeError as e:
+                    fail("json", f"not valid JSON ({e})")
+            if not isinstance(self.json, (dict, bool)):
+                fail("json", "must be a JSON schema (a dict, or its JSON text)")
+        if self.regex is not None and not (isinstance(self.regex, str) and self.regex):
+            fail("regex", "must be a non-empty string")
+        if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar.strip()):
+            fail("grammar", "must be a non-empty string")
+        if self.choice is not None:
+            if isinstance(self.choice, (str, bytes)) or not all(isinstance(c, str) and c for c in self.choice):
+                fail("choice", "must be a list of non-empty strings")
+            self.choice = list(self.choice)
+            if not self.choice:
+                fail("choice", "must not be empty")
+
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): what a compiled grammar is cached under."""
+        if self.json is not None:  # key order kept: properties are generated in schema order
+            return "json", json.dumps(self.json)
+        if self.json_object:
+            return "json", json.dumps({"type": "object"})
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        if self.regex is not None:
+            return "regex", self.regex
+        return "grammar", self.grammar
+
+    @classmethod
+    def from_response_format(cls, response_format: dict | None) -> "StructuredOutputsParams | None":
+        """OpenAI ``response_format``: ``{"type": "text"}`` -> None, ``{"type": "json_object"}``,
+        ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``."""
+        if response_format is None:
+            return None
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return cls(json_object=True)
+        if kind == "json_schema":
+            spec = response_format.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if schema is None:
+                raise ValueError("response_format.json_schema.schema: missing")
+            return cls(json=schema)
+        raise ValueError(f"response_format.type={kind!r}: expected 'text', 'json_object' or 'json_schema'")
 
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens for one request. ``temperature == 0`` means greedy."""
+    """How to pick tokens for one request. ``temperature == 0`` means greedy.
+
+    The options, in the order they apply, are listed in the README ("Sampling options").
+    """
 
     n: int = 1
     temperature: float = 1.0
@@ -22,12 +131,24 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if isinstance(self.logit_bias, dict):  # OpenAI JSON gives the ids as strings
+            self.logit_bias = {int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k: v
+                               for k, v in self.logit_bias.items()}
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.validate()
 
     def validate(self):
@@ -35,25 +156,68 @@ class SamplingParams:
             if not ok:
                 raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
 
-        check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
-        check(self.temperature >= 0, "temperature", "must be >= 0")
-        check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "must be an integer >= 0 (0 disables)")
-        check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
-        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+        check(_is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
+        check(_is_real(self.temperature) and self.temperature >= 0, "temperature", "must be a number >= 0")
+        check(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be a number in (0, 1]")
+        check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be an integer >= 0 (0 disables)")
+        check(_is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be a number in [0, 1]")
+        check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
               "max_tokens", "must be an integer >= 1 or None")
-        check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "must be >= 0")
+        check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be an integer >= 0")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
               "must not exceed max_tokens")
-        check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+        check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
               "logprobs", "must be None or an integer in [0, 20]")
-        check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
-        check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
-        check(self.repetition_penalty > 0, "repetition_penalty", "must be > 0")
+        check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+              "prompt_logprobs", "must be None or an integer in [0, 20]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            check(_is_real(getattr(self, name)) and -2 <= getattr(self, name) <= 2, name, "must be a number in [-2, 2]")
+        check(_is_real(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+              "must be a number > 0")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+        check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "must be non-negative token ids")
-        check(self.seed is None or isinstance(self.seed, int), "seed", "must be an int or None")
+        check(self.seed is None or _is_int(self.seed), "seed", "must be an int or None")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            check(isinstance(getattr(self, name), bool), name, "must be a bool")
+        check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+            _is_int(k) and k >= 0 and _is_real(v) and -100 <= v <= 100 for k, v in self.logit_bias.items())),
+            "logit_bias", "must map token ids (>= 0) to numbers in [-100, 100]")
+        check(self.allowed_token_ids is None or (
+            isinstance(self.allowed_token_ids, (list, tuple)) and len(self.allowed_token_ids) > 0
+            and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)),
+            "allowed_token_ids", "must be a non-empty list of token ids (>= 0)")
+        check(self.bad_words is None or (isinstance(self.bad_words, (list, tuple))
+                                         and all(isinstance(w, str) and w.strip() for w in self.bad_words)),
+              "bad_words", "must be a list of non-empty strings")
+        check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+              "structured_outputs", "must be a StructuredOutputsParams (or a dict of its fields)")
+
+    def validate_for_vocab(self, vocab_size: int, tokenizer=None) -> None:
+        """The checks that need the model: token ids inside ``[0, vocab_size)``, ``logprobs`` at most
+        the vocabulary; tokenizes ``bad_words`` and compiles ``structured_outputs`` (both need
+        ``tokenizer``). Raises ValueError before any device work."""
+        def check(ok, name, why):
+            if not ok:
+                raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+
+        check(self.logprobs is None or self.logprobs <= vocab_size, "logprobs",
+              f"must not exceed the vocabulary size {vocab_size}")
+        check(self.prompt_logprobs is None or self.prompt_logprobs <= vocab_size, "prompt_logprobs",
+              f"must not exceed the vocabulary size {vocab_size}")
+        check(not self.logit_bias or max(self.logit_bias) < vocab_size, "logit_bias",
+              f"token ids must be below the vocabulary size {vocab_size}")
+        check(not self.allowed_token_ids or max(self.allowed_token_ids) < vocab_size, "allowed_token_ids",
+              f"token ids must be below the vocabulary size {vocab_size}")
+        self._bad_word_ids = []
+        if self.bad_words:
+            check(tokenizer is not None, "bad_words", "needs a tokenizer (the model has none)")
+            self._bad_word_ids = bad_word_token_ids(self.bad_words, tokenizer)
+        self._grammar = None
+        if self.structured_outputs is not None:
+            check(tokenizer is not None, "structured_outputs", "needs a tokenizer (the model has none)")
+            from jpaged import structured_output
+            self._grammar = structured_output.compile_grammar(self.structured_outputs, tokenizer, vocab_size)
 
     @property
     def greedy(self) -> bool:
@@ -63,6 +227,17 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+
+def bad_word_token_ids(words, tokenizer) -> list[list[int]]:
+    """Each bad word as token ids, alone and after a space (as it appears mid-text); duplicates dropped."""
+    out = []
+    for word in words:
+        for text in (word, " " + word.lstrip()):
+            ids = list(tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in out:
+                out.append(ids)
+    return out
 
 
 @dataclass
@@ -75,7 +250,17 @@ class BeamSearchParams:
     length_penalty: float = 1.0
 
     def __post_init__(self):
-        if not (isinstance(self.beam_width, int) and self.beam_width >= 1):
+        if not (_is_int(self.beam_width) and self.beam_width >= 1):
             raise ValueError(f"BeamSearchParams.beam_width={self.beam_width!r}: must be an integer >= 1")
-        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
+        if not (_is_int(self.max_tokens) and self.max_tokens >= 1):
             raise ValueError(f"BeamSearchParams.max_tokens={self.max_tokens!r}: must be an integer >= 1")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"BeamSearchParams.ignore_eos={self.ignore_eos!r}: must be a bool")
+        if not _is_real(self.length_penalty):
+            raise ValueError(f"BeamSearchParams.length_penalty={self.length_penalty!r}: must be a finite number")
+
+    def validate_for_vocab(self, vocab_size: int, tokenizer=None) -> None:
+        """Each step ranks every beam's top ``2 * beam_width`` tokens, so that many must exist."""
+        if 2 * self.beam_width > vocab_size:
+            raise ValueError(f"BeamSearchParams.beam_width={self.beam_width}: 2 * beam_width must not exceed "
+                             f"the vocabulary size {vocab_size}")
