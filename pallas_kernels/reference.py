@@ -11,12 +11,14 @@ Attention does work in proportion to each sequence's real context, not to the pa
   token (decode) is a chunk of width 1; a sequence with more is cut into chunks of
   ``num_queries_per_block`` tokens (prefill). The split is computed in the graph from
   ``query_start_loc`` and ``seq_lens``, so it needs no metadata beyond the kernels'.
-* Chunks are processed a batch at a time (decode chunks sorted longest first, so long and short
-  rows land in different batches). For a batch, a loop walks its block tables
+* Chunks are sorted longest context first and processed a batch at a time. Decode rows are one
+  batch, except the longest, which runs alone (a long row never makes the short ones loop long,
+  and a lone row computes no padding rows); prefill chunks go in batches of ``PREFILL_BATCH``
+  (a dynamic loop over the real ones). For a batch, a loop walks its block tables
   ``pages_per_compute_block`` blocks at a time with an online (flash) softmax; its trip count is
   ``ceil(longest context in the batch / (pages * block_size))``, computed at run time. Both loop
-  counts are dynamic (``lax.while_loop``), so padding rows and unused block-table columns cost
-  nothing.
+  counts are dynamic (``lax.while_loop``), so padding rows, an empty prefill part and unused
+  block-table columns cost nothing, and none adds a shape to compile.
 * Cache updates are XLA scatters; padding entries (negative ids) are dropped by pointing them out of
   bounds with ``mode="drop"``.
 
@@ -40,7 +42,6 @@ from pallas_kernels._common import DEFAULT_MASK_VALUE, cdiv
 # CPU defaults, measured with scripts/benchmark_kernels.py (README "Kernels").
 PAGES_PER_STEP = 4       # blocks per online-softmax step
 PREFILL_CHUNK = 16       # query tokens per prefill chunk
-DECODE_BATCH = 1 << 30   # decode rows per batch (all)
 PREFILL_BATCH = 8        # prefill chunks per batch
 
 
@@ -131,7 +132,7 @@ def _attend_chunks(out, q, k_pages, v_pages, tables, first_token, first_pos,
 def ragged_attention(q, k_pages, v_pages, block_tables, seq_lens,
                      query_start_loc, num_seqs, *, scale,
                      prefill_chunk=PREFILL_CHUNK, pages=PAGES_PER_STEP,
-                     decode_batch=DECODE_BATCH, prefill_batch=PREFILL_BATCH):
+                     prefill_batch=PREFILL_BATCH):
   """The work split of the module docstring; arguments as in
   `ragged_paged_attention_reference`."""
   num_tokens = q.shape[0]
@@ -150,7 +151,7 @@ def ragged_attention(q, k_pages, v_pages, block_tables, seq_lens,
   out = _attend_chunks(
       out, q, k_pages, v_pages, tables[order], qsl[order], seq_lens[order] - 1,
       is_decode[order].astype(jnp.int32), jnp.sum(is_decode), width=1,
-      rows=decode_batch, pages=pages, scale=scale)
+      rows=max_seqs, pages=pages, scale=scale)
 
   # Prefill: chunks of `prefill_chunk` tokens, longest context first.
   # Sequence s has ceil(q_len / W) of them; the static count bounds every

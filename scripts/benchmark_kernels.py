@@ -203,7 +203,7 @@ def work(seqs, t_pad, b_pad, groups, bs, hkv, group, d):
     return [(rows, keys(lens[i])) for i in range(0, len(lens), rows)]
 
   s_pad = bucket(len(seqs), 8)
-  dec = batches([ctx for n, ctx in seqs if n == 1], s_pad, ref.DECODE_BATCH)
+  dec = batches([ctx for n, ctx in seqs if n == 1], s_pad, s_pad)
   w = ref.PREFILL_CHUNK
   chunks = [ctx - n + c + min(w, n - c) for n, ctx in seqs if n > 1
             for c in range(0, n, w)]
