@@ -1,49 +1,50 @@
 """Paged attention as a layer: write this step's K/V into the block pool, then attend through it.
 
-`AttentionMetadata` is the per-step batch description every layer shares (built on the host by the
-model runner). `PagedAttention` is an NNX module without parameters that a Flax model calls in
-place of dense attention; researchers can import it into their own decoder blocks.
+`AttentionMetadata` is the per-step batch description every layer shares; the model runner pads
+the step's arrays to its buckets and `make_attention_metadata` turns them into it for a backend.
+`PagedAttention` is an NNX module without parameters that a Flax model calls in place of dense
+attention; researchers can import it into their own decoder blocks.
 
 KV pool layout, per layer: ``k_pages`` and ``v_pages`` of shape
 ``[num_kv_heads, num_blocks, block_size, head_dim]``; slot ``s`` is block ``s // block_size``,
 offset ``s % block_size``. Heads lead so the pool shards on its first axis.
 
 Backends:
-- ``xla``: plain jnp gathers through the block tables (the CPU default). Query tokens are grouped
-  into chunks of one sequence each: decode rows in chunks of 1, prompt chunks in chunks of
-  ``PREFILL_CHUNK`` tokens, so a chunk gathers its sequence's keys once and no decode row is padded
-  to a long prompt's length.
-- ``pallas``: the Pallas kernels of `pallas_kernels` over the flat token batch (TPU/GPU; interpret
-  mode elsewhere).
+- ``xla``: `pallas_kernels.ragged_paged_attention_reference`, the package's one jnp paged
+  attention (the CPU default): decode rows and prefill chunks loop over their own blocks with an
+  online softmax, so the work tracks each sequence's real context. It needs no extra metadata.
+- ``pallas``: the Pallas kernels over the flat token batch (TPU/GPU; interpret mode elsewhere): the
+  decode kernel `pallas_kernels.paged_attention` when every row of the step has one query
+  (``decode_only``), the ragged kernel otherwise.
 """
 import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import pallas_kernels
 from jpaged import sharding
 
-PREFILL_CHUNK = 16
-
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["slot_mapping", "block_tables", "seq_lens", "query_start_loc",
-                                "num_seqs", "positions", "chunk_groups", "token_to_row"],
-                   meta_fields=[])
+                                "num_seqs", "positions"],
+                   meta_fields=["decode_only"])
 @dataclasses.dataclass
 class AttentionMetadata:
-    """Per-step arrays (all int32). T = padded token count, S = padded sequence count.
+    """Per-step arrays (all int32). T = padded token count, S = padded sequence count, B = padded
+    blocks per sequence; every shape is a function of (T, S, B) alone.
 
     slot_mapping[T]: pool slot each token's K/V is written to (-1 for padding).
-    block_tables[S, max_blocks], seq_lens[S] (context incl. this step's tokens),
-    query_start_loc[S+1], num_seqs[]: the ragged layout the Pallas kernel reads.
+    block_tables[S, B], seq_lens[S] (context incl. this step's tokens),
+    query_start_loc[S+1], num_seqs[]: the ragged layout the kernels read.
     positions[T]: each token's position in its sequence.
-    chunk_groups: for the xla backend, a tuple of (chunk_seq[C], chunk_rows[C, Q]) per chunk width Q;
-      chunk_rows index the flat tokens (T marks padding).
-    token_to_row[T]: row of each token in the concatenation of all groups' chunk rows.
+    decode_only (static): every real sequence has one query token, so the pallas backend runs the
+      decode kernel. Only the pallas backend sets it: the xla path's run-time loops already skip an
+      empty prefill part, so it needs no second compilation per bucket.
     """
 
     slot_mapping: jax.Array
@@ -52,36 +53,39 @@ class AttentionMetadata:
     query_start_loc: jax.Array
     num_seqs: jax.Array
     positions: jax.Array
-    chunk_groups: tuple
-    token_to_row: jax.Array
+    decode_only: bool = False
+
+
+def make_attention_metadata(backend: str, *, positions, slot_mapping, query_start_loc, seq_lens,
+                            block_tables, num_seqs) -> AttentionMetadata:
+    """The step's metadata for ``backend`` from host arrays the runner already padded.
+
+    Padding: slot -1, seq_len 0, query_start_loc repeating the real token count, block-table rows 0.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r}: expected one of {sorted(BACKENDS)}")
+    num_seqs = int(num_seqs)
+    qsl = np.asarray(query_start_loc, np.int32)
+    decode_only = backend == "pallas" and bool(np.all(np.diff(qsl[:num_seqs + 1]) == 1))
+    i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
+    return AttentionMetadata(slot_mapping=i32(slot_mapping), block_tables=i32(block_tables),
+                             seq_lens=i32(seq_lens), query_start_loc=qsl,
+                             num_seqs=np.array(num_seqs, np.int32), positions=i32(positions),
+                             decode_only=decode_only)
+
+
+def attention_backend_of(model) -> str:
+    """The backend of the first `PagedAttention` in ``model`` ("xla" when it has none)."""
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, PagedAttention):
+            return node.backend
+    return "xla"
 
 
 def xla_paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale):
-    """Attention of flat query tokens [T, Hq, D] over their sequences' blocks, in plain jnp."""
-    t, hq, d = q.shape
-    hkv, _, bs, _ = k_pages.shape
-    group = hq // hkv
-    q_padded = jnp.concatenate([q, jnp.zeros((1, hq, d), q.dtype)])
-    pos_padded = jnp.concatenate([md.positions, jnp.full((1,), -1, md.positions.dtype)])
-    outs = []
-    for chunk_seq, chunk_rows in md.chunk_groups:
-        c, qw = chunk_rows.shape
-        if c == 0:
-            continue
-        tables = md.block_tables[chunk_seq]                                   # [C, B]
-        k = k_pages[:, tables].reshape(hkv, c, -1, d)                         # [Hkv, C, K, D]
-        v = v_pages[:, tables].reshape(hkv, c, -1, d)
-        qc = q_padded[chunk_rows].reshape(c, qw, hkv, group, d)
-        s = jnp.einsum("cqhgd,hckd->chgqk", qc, k, preferred_element_type=jnp.float32) * scale
-        q_pos = pos_padded[chunk_rows]                                        # [C, Q]
-        k_pos = jnp.arange(k.shape[2])
-        mask = (k_pos[None, None, :] <= q_pos[:, :, None])[:, None, None]     # [C,1,1,Q,K]
-        s = jnp.where(mask, s, -1e30)
-        p = jax.nn.softmax(s, axis=-1)
-        o = jnp.einsum("chgqk,hckd->cqhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        outs.append(o.reshape(c * qw, hq, d))
-    rows = jnp.concatenate(outs) if outs else jnp.zeros((1, hq, d), jnp.float32)
-    return rows[md.token_to_row].astype(q.dtype)
+    return pallas_kernels.ragged_paged_attention_reference(
+        q, k_pages, v_pages, md.block_tables, md.seq_lens, md.query_start_loc, md.num_seqs,
+        scale=scale)
 
 
 def _interpret() -> bool:
@@ -89,7 +93,13 @@ def _interpret() -> bool:
 
 
 def pallas_paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale):
-    """The ragged Pallas kernel over the flat token batch (interpret mode off TPU/GPU)."""
+    """The decode kernel for a decode-only step, else the ragged kernel (interpret mode off TPU/GPU)."""
+    if md.decode_only:  # token s is sequence s's one query; rows past num_seqs are padding
+        t, s = q.shape[0], md.seq_lens.shape[0]
+        q_rows = q[:s] if t >= s else jnp.pad(q, ((0, s - t), (0, 0), (0, 0)))
+        out = pallas_kernels.paged_attention(q_rows, k_pages, v_pages, md.block_tables, md.seq_lens,
+                                             scale=scale, interpret=_interpret())
+        return out[:t] if s >= t else jnp.pad(out, ((0, t - s), (0, 0), (0, 0)))
     return pallas_kernels.ragged_paged_attention(q, k_pages, v_pages, md.block_tables, md.seq_lens,
                                                  md.query_start_loc, md.num_seqs, scale=scale,
                                                  interpret=_interpret())

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import pallas_kernels
 
 from jpaged import prompt_logprobs, sharding
-from jpaged.attention import PREFILL_CHUNK, AttentionMetadata
+from jpaged.attention import attention_backend_of, make_attention_metadata
 from jpaged.core.kv_cache_manager import KVCacheManager
 from jpaged.core.scheduler import SchedulerOutput
 from jpaged.sampler import sample
@@ -89,6 +89,7 @@ class ModelRunner:
     def __init__(self, model, kv_cache: KVCacheManager, *, num_blocks: int, dtype, mesh, seed: int = 0):
         self.config = model.config
         self.mesh = mesh
+        self.attention_backend = attention_backend_of(model)
         graphdef, state = nnx.split(model)
         self.graphdef, self.state = graphdef, sharding.shard_state(state, mesh)
         self.kv_cache_manager = kv_cache
@@ -175,7 +176,6 @@ class ModelRunner:
         sample_rows, logits_indices = [], []
         prompt_rows, prompt_indices, prompt_targets = [], [], []  # prompt_logprobs
         query_start_loc = [0]
-        decode_chunks, prefill_chunks = [], []  # (row, first token, num tokens)
         for sr in sched.scheduled:
             for seq in sr.request.live_seqs:
                 start, n = seq.num_computed_tokens, sr.num_new_tokens
@@ -188,11 +188,6 @@ class ModelRunner:
                 seq_lens.append(start + n)
                 tables.append(table)
                 query_start_loc.append(first + n)
-                if n == 1:
-                    decode_chunks.append((len(rows), first, 1))
-                else:
-                    prefill_chunks += [(len(rows), first + c, min(PREFILL_CHUNK, n - c))
-                                       for c in range(0, n, PREFILL_CHUNK)]
                 rows.append((sr, seq))
                 for p in prompt_logprobs.wanted(sr.request, seq, start, n):
                     prompt_rows.append((sr.request, p))
@@ -208,29 +203,16 @@ class ModelRunner:
         t, s = len(input_ids), len(rows)
         t_pad, s_pad = bucket(t, 16), bucket(s, 8)
         b_pad = bucket(max(len(tb) for tb in tables), 4)
-        token_to_row = np.zeros(t_pad, np.int32)
-        groups, offset = [], 0
-        for chunks, width in ((decode_chunks, 1), (prefill_chunks, PREFILL_CHUNK)):
-            c_pad = bucket(len(chunks), 0)
-            chunk_seq = np.zeros(c_pad, np.int32)
-            chunk_rows = np.full((c_pad, width), t_pad, np.int32)
-            for i, (row, first, n) in enumerate(chunks):
-                chunk_seq[i] = row
-                chunk_rows[i, :n] = np.arange(first, first + n)
-                token_to_row[first:first + n] = offset + i * width + np.arange(n)
-            groups.append((chunk_seq, chunk_rows))
-            offset += c_pad * width
         qsl = np.full(s_pad + 1, t, np.int32)
         qsl[:s + 1] = query_start_loc
-        md = AttentionMetadata(
-            slot_mapping=np.concatenate(slots + [np.full(t_pad - t, -1, np.int32)]).astype(np.int32),
-            block_tables=_pad(tables + [[]] * (s_pad - s), b_pad, 0),
-            seq_lens=np.array(seq_lens + [0] * (s_pad - s), np.int32),
+        md = make_attention_metadata(
+            self.attention_backend,
+            positions=np.concatenate(positions + [np.zeros(t_pad - t, np.int64)]),
+            slot_mapping=np.concatenate(slots + [np.full(t_pad - t, -1, np.int32)]),
             query_start_loc=qsl,
-            num_seqs=np.array(s, np.int32),
-            positions=np.concatenate(positions + [np.zeros(t_pad - t, np.int64)]).astype(np.int32),
-            chunk_groups=tuple(groups),
-            token_to_row=token_to_row)
+            seq_lens=np.array(seq_lens + [0] * (s_pad - s), np.int32),
+            block_tables=_pad(tables + [[]] * (s_pad - s), b_pad, 0),
+            num_seqs=s)
         padded_logits_indices = _padded_ids(logits_indices, 8, fill=0)
         ids = np.zeros(t_pad, np.int32)
         ids[:t] = input_ids

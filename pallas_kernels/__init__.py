@@ -13,9 +13,9 @@ XLA reference elsewhere), ``"tpu"``, ``"gpu"`` or ``"xla"``, and
 the TPU kernel). See ``paged_attention.py`` for the backend notes.
 """
 
+from pallas_kernels._common import EXPORT_DISABLED_CHECKS
 from pallas_kernels.cache_ops import copy_blocks, write_kv
-from pallas_kernels.paged_attention import (
-    EXPORT_DISABLED_CHECKS, paged_attention)
+from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.reference import (
     copy_blocks_reference, paged_attention_reference,

@@ -31,18 +31,11 @@ import jax
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels import reference
-from pallas_kernels.paged_attention import dispatch, is_power_of_2
-
-
-def _check_pools(k_pages, v_pages):
-  if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
-    raise ValueError("k_pages and v_pages must both be [num_kv_heads, "
-                     f"num_blocks, block_size, head_dim]; got {k_pages.shape} "
-                     f"and {v_pages.shape}")
+from pallas_kernels._common import (
+    check_pools, dispatch, gpu_call, is_power_of_2, tpu_call)
 
 
 def _gpu_ok(k_pages):
@@ -85,22 +78,14 @@ def _write_kv_tpu_kernel(slot_ref, k_new_hbm, v_new_hbm, _k_in, _v_in,
 
 def _write_kv_tpu(k_pages, v_pages, k_new, v_new, slot_mapping, *, interpret):
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
-  return pl.pallas_call(
-      _write_kv_tpu_kernel,
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=1,
-          grid=(1,),
-          in_specs=[any_spec] * 4,
-          out_specs=[any_spec] * 2,
-          scratch_shapes=[pltpu.SemaphoreType.DMA(())],
-      ),
+  return tpu_call(
+      _write_kv_tpu_kernel, grid=(1,), num_scalar_prefetch=1,
+      in_specs=[any_spec] * 4, out_specs=[any_spec] * 2,
       out_shape=[jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
                  jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
+      scratch_shapes=[pltpu.SemaphoreType.DMA(())], parallel=False,
       # Operand indices count the scalar-prefetch operand.
-      input_output_aliases={3: 0, 4: 1},
-      compiler_params=pltpu.CompilerParams(has_side_effects=True),
-      interpret=interpret,
-      name="write_kv_tpu",
+      aliases={3: 0, 4: 1}, interpret=interpret, name="write_kv_tpu",
   )(slot_mapping.astype(jnp.int32),
     jnp.swapaxes(k_new, 0, 1).astype(k_pages.dtype),
     jnp.swapaxes(v_new, 0, 1).astype(v_pages.dtype), k_pages, v_pages)
@@ -124,18 +109,15 @@ def _write_kv_gpu(k_pages, v_pages, k_new, v_new, slot_mapping, *, interpret):
   num_tokens, num_kv_heads, head_dim = k_new.shape
   row_spec = pl.BlockSpec((None, None, head_dim), lambda t, h: (t, h, 0))
   pool_spec = pl.BlockSpec(k_pages.shape, lambda t, h: (0, 0, 0, 0))
-  return pl.pallas_call(
-      _write_kv_gpu_kernel,
-      grid=(num_tokens, num_kv_heads),
+  return gpu_call(
+      _write_kv_gpu_kernel, grid=(num_tokens, num_kv_heads),
       in_specs=[pl.BlockSpec(slot_mapping.shape, lambda t, h: (0,)),
                 row_spec, row_spec, pool_spec, pool_spec],
       out_specs=[pool_spec, pool_spec],
       out_shape=[jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
                  jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
-      input_output_aliases={3: 0, 4: 1},
-      compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
-      interpret=interpret,
-      name="write_kv_gpu",
+      num_warps=1, num_stages=1, aliases={3: 0, 4: 1},
+      interpret=interpret, name="write_kv_gpu",
   )(slot_mapping.astype(jnp.int32), k_new.astype(k_pages.dtype),
     v_new.astype(v_pages.dtype), k_pages, v_pages)
 
@@ -165,7 +147,7 @@ def write_kv(
   Returns:
     The updated ``(k_pages, v_pages)``, aliasing the inputs.
   """
-  _check_pools(k_pages, v_pages)
+  check_pools(k_pages, v_pages)
   num_kv_heads, _, _, head_dim = k_pages.shape
   if (k_new.shape != v_new.shape or k_new.ndim != 3
       or k_new.shape[1:] != (num_kv_heads, head_dim)
@@ -205,21 +187,13 @@ def _copy_blocks_tpu_kernel(src_ref, dst_ref, _k_in, _v_in, k_out, v_out, sem):
 
 def _copy_blocks_tpu(k_pages, v_pages, src, dst, *, interpret):
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
-  return pl.pallas_call(
-      _copy_blocks_tpu_kernel,
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=2,
-          grid=(1,),
-          in_specs=[any_spec] * 2,
-          out_specs=[any_spec] * 2,
-          scratch_shapes=[pltpu.SemaphoreType.DMA(())],
-      ),
+  return tpu_call(
+      _copy_blocks_tpu_kernel, grid=(1,), num_scalar_prefetch=2,
+      in_specs=[any_spec] * 2, out_specs=[any_spec] * 2,
       out_shape=[jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
                  jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
-      input_output_aliases={2: 0, 3: 1},
-      compiler_params=pltpu.CompilerParams(has_side_effects=True),
-      interpret=interpret,
-      name="copy_blocks_tpu",
+      scratch_shapes=[pltpu.SemaphoreType.DMA(())], parallel=False,
+      aliases={2: 0, 3: 1}, interpret=interpret, name="copy_blocks_tpu",
   )(src.astype(jnp.int32), dst.astype(jnp.int32), k_pages, v_pages)
 
 
@@ -237,17 +211,14 @@ def _copy_blocks_gpu(k_pages, v_pages, src, dst, *, interpret):
   num_kv_heads = k_pages.shape[0]
   ids_spec = pl.BlockSpec(src.shape, lambda i, h: (0,))
   pool_spec = pl.BlockSpec(k_pages.shape, lambda i, h: (0, 0, 0, 0))
-  return pl.pallas_call(
-      _copy_blocks_gpu_kernel,
-      grid=(src.shape[0], num_kv_heads),
+  return gpu_call(
+      _copy_blocks_gpu_kernel, grid=(src.shape[0], num_kv_heads),
       in_specs=[ids_spec, ids_spec, pool_spec, pool_spec],
       out_specs=[pool_spec, pool_spec],
       out_shape=[jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
                  jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
-      input_output_aliases={2: 0, 3: 1},
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-      interpret=interpret,
-      name="copy_blocks_gpu",
+      num_warps=4, num_stages=1, aliases={2: 0, 3: 1},
+      interpret=interpret, name="copy_blocks_gpu",
   )(src.astype(jnp.int32), dst.astype(jnp.int32), k_pages, v_pages)
 
 
@@ -276,7 +247,7 @@ def copy_blocks(
   Returns:
     The updated ``(k_pages, v_pages)``, aliasing the inputs.
   """
-  _check_pools(k_pages, v_pages)
+  check_pools(k_pages, v_pages)
   if src.ndim != 1 or src.shape != dst.shape:
     raise ValueError(f"src and dst must both be [num_copies]; got {src.shape} "
                      f"and {dst.shape}")

@@ -46,156 +46,18 @@ Backends (``backend=``):
 from __future__ import annotations
 
 import functools
-from typing import Callable
 
 import jax
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels import reference
-
-DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-
-# Pass to ``jax.export.export(..., disabled_checks=EXPORT_DISABLED_CHECKS)``
-# when exporting the Triton (CUDA) kernels; see the module docstring.
-EXPORT_DISABLED_CHECKS = (
-    jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton"),
-)
-
-BACKENDS = (None, "auto", "tpu", "gpu", "xla")
-
-
-# ---------------------------------------------------------------------------
-# Helpers shared by the kernels of this package.
-# ---------------------------------------------------------------------------
-
-
-def is_power_of_2(x: int) -> bool:
-  return x > 0 and x & (x - 1) == 0
-
-
-def next_power_of_2(x: int) -> int:
-  return 1 if x <= 1 else 1 << (x - 1).bit_length()
-
-
-def dispatch(
-    backend: str | None,
-    interpret: bool,
-    *,
-    tpu: Callable | None,
-    gpu: Callable | None,
-    xla: Callable,
-) -> Callable:
-  """Chooses an implementation; see the module docstring for the rules.
-
-  ``tpu``/``gpu`` take an ``interpret`` keyword and are ``None`` when the
-  shapes are not supported by that kernel (then the reference is used in
-  auto mode, and an explicit request raises).
-  """
-  if backend not in BACKENDS:
-    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-  if backend == "xla":
-    return xla
-  if backend in ("tpu", "gpu"):
-    impl = tpu if backend == "tpu" else gpu
-    if impl is None:
-      raise ValueError(f"these shapes are not supported by the {backend} "
-                       "kernel; see the module docstring")
-    return functools.partial(impl, interpret=interpret)
-  if interpret:
-    return functools.partial(tpu, interpret=True) if tpu else xla
-
-  def auto(*args):
-    branches = {"default": xla}
-    if tpu is not None:
-      branches["tpu"] = functools.partial(tpu, interpret=False)
-    if gpu is not None:
-      branches["cuda"] = functools.partial(gpu, interpret=False)
-    return lax.platform_dependent(*args, **branches)
-
-  return auto
-
-
-def online_softmax_step(carry, logits, v, mask):
-  """One flash-attention update.
-
-  Args:
-    carry: ``(m, l, acc)``: running max ``[n, 1]``, running sum ``[n, 1]``
-      and unnormalized output ``[n, d]``, all float32.
-    logits: ``[n, t]`` float32 scaled logits.
-    v: ``[t, d]`` values (rows where no query may look must be finite).
-    mask: bool ``[n, t]``, True where a query may look at a key.
-
-  Returns:
-    The new ``(m, l, acc)``.
-  """
-  m_prev, l_prev, acc_prev = carry
-  logits = jnp.where(mask, logits, DEFAULT_MASK_VALUE)
-  m_next = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))
-  p = jnp.where(mask, jnp.exp(logits - m_next), 0.0)
-  alpha = jnp.exp(m_prev - m_next)
-  l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-  pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-  return m_next, l_next, alpha * acc_prev + pv
-
-
-def init_softmax_carry(n: int, d: int):
-  return (jnp.full((n, 1), -jnp.inf, jnp.float32),
-          jnp.zeros((n, 1), jnp.float32),
-          jnp.zeros((n, d), jnp.float32))
-
-
-def finalize_softmax(carry):
-  """acc / l, with rows that saw no key (l == 0) set to zero."""
-  _, l, acc = carry
-  return jnp.where(l > 0.0, acc / jnp.where(l > 0.0, l, 1.0), 0.0)
-
-
-def qk_logits(q, k, scale):
-  """``scale * q @ k.T`` in float32: q ``[n, d]``, k ``[t, d]``."""
-  s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                      preferred_element_type=jnp.float32)
-  return s * scale
-
-
-class PageCopies:
-  """Async copies of one compute block's pages of one kv head (TPU).
-
-  Copies ``pages[head, block_id]`` for ``pages_per_compute_block`` block ids
-  read from the block table in SMEM into ``buffer.at[slot]``. Page ``j`` is
-  only copied (and waited on) when ``first_page + j < num_pages``, so pages
-  past a sequence's end are never fetched.
-  """
-
-  def __init__(self, k_hbm, v_hbm, k_buf, v_buf, sems, block_tables_ref,
-               table_offset, first_page, num_pages, head, slot):
-    self._copies = []
-    for j in range(k_buf.shape[1]):
-      page = first_page + j
-      page_in_table = jnp.minimum(page, num_pages - 1)
-      block_id = block_tables_ref[table_offset + page_in_table]
-      pair = [pltpu.make_async_copy(src.at[head, block_id], buf.at[slot, j],
-                                    sems.at[kv, slot])
-              for kv, (src, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf)))]
-      self._copies.append((page < num_pages, pair))
-
-  def start(self):
-    for needed, pair in self._copies:
-      @pl.when(needed)
-      def _():
-        for c in pair:
-          c.start()
-
-  def wait(self):
-    for needed, pair in self._copies:
-      @pl.when(needed)
-      def _():
-        for c in pair:
-          c.wait()
+from pallas_kernels._common import (
+    PageCopies, check_attention_shapes, dispatch, finalize_softmax, gpu_call,
+    gpu_supported, init_softmax_carry, next_power_of_2, online_softmax_step,
+    qk_logits, tpu_call)
 
 
 # ---------------------------------------------------------------------------
@@ -274,21 +136,15 @@ def _paged_attention_tpu(q, k_pages, v_pages, block_tables, seq_lens, *,
   qo_spec = pl.BlockSpec((None, None, group, head_dim),
                          lambda s, h, *_: (s, h, 0, 0))
   buf = pltpu.VMEM((2, ppcb, block_size, head_dim), k_pages.dtype)
-  out = pl.pallas_call(
+  out = tpu_call(
       functools.partial(_tpu_kernel, pages_per_seq=pages_per_seq, scale=scale),
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=2,
-          grid=(num_seqs, num_kv_heads),
-          in_specs=[qo_spec, pl.BlockSpec(memory_space=pl.ANY),
-                    pl.BlockSpec(memory_space=pl.ANY)],
-          out_specs=qo_spec,
-          scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2, 2))],
-      ),
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel")),
+      grid=(num_seqs, num_kv_heads), num_scalar_prefetch=2,
+      in_specs=[qo_spec, pl.BlockSpec(memory_space=pl.ANY),
+                pl.BlockSpec(memory_space=pl.ANY)],
+      out_specs=qo_spec,
       out_shape=jax.ShapeDtypeStruct(q4.shape, jnp.float32),
-      interpret=interpret,
-      name="paged_attention_tpu",
+      scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2, 2))],
+      interpret=interpret, name="paged_attention_tpu",
   )(seq_lens.astype(jnp.int32), block_tables.astype(jnp.int32).reshape(-1),
     q4, k_pages, v_pages)
   return out.reshape(q.shape).astype(q.dtype)
@@ -331,11 +187,6 @@ def _gpu_kernel(
   o_ref[...] = finalize_softmax(carry).astype(o_ref.dtype)
 
 
-def gpu_supported(head_dim: int, block_size: int) -> bool:
-  return (is_power_of_2(head_dim) and head_dim >= 16
-          and is_power_of_2(block_size))
-
-
 def _paged_attention_gpu(q, k_pages, v_pages, block_tables, seq_lens, *,
                          scale, pages_per_compute_block, interpret,
                          num_warps=4, num_stages=2):
@@ -356,7 +207,7 @@ def _paged_attention_gpu(q, k_pages, v_pages, block_tables, seq_lens, *,
                          lambda s, h: (s, h, 0, 0))
   kv_spec = pl.BlockSpec((None, num_blocks, block_size, head_dim),
                          lambda s, h: (h, 0, 0, 0))
-  out = pl.pallas_call(
+  out = gpu_call(
       functools.partial(_gpu_kernel, pages_per_compute_block=ppcb, scale=scale),
       grid=(num_seqs, num_kv_heads),
       in_specs=[qo_spec, kv_spec, kv_spec,
@@ -364,10 +215,8 @@ def _paged_attention_gpu(q, k_pages, v_pages, block_tables, seq_lens, *,
                 pl.BlockSpec((None,), lambda s, h: (s,))],
       out_specs=qo_spec,
       out_shape=jax.ShapeDtypeStruct(q4.shape, q.dtype),
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps,
-                                           num_stages=num_stages),
-      interpret=interpret,
-      name="paged_attention_gpu",
+      num_warps=num_warps, num_stages=num_stages,
+      interpret=interpret, name="paged_attention_gpu",
   )(q4, k_pages, v_pages, tables, seq_lens.astype(jnp.int32))
   return out[:, :, :group].reshape(q.shape)
 
@@ -375,25 +224,6 @@ def _paged_attention_gpu(q, k_pages, v_pages, block_tables, seq_lens, *,
 # ---------------------------------------------------------------------------
 # Public entry point.
 # ---------------------------------------------------------------------------
-
-
-def check_attention_shapes(q, k_pages, v_pages, block_tables, seq_lens):
-  num_q_heads, head_dim = q.shape[1:]
-  if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
-    raise ValueError("k_pages and v_pages must both be [num_kv_heads, "
-                     f"num_blocks, block_size, head_dim]; got {k_pages.shape} "
-                     f"and {v_pages.shape}")
-  num_kv_heads = k_pages.shape[0]
-  if num_q_heads % num_kv_heads:
-    raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of "
-                     f"num_kv_heads={num_kv_heads}")
-  if k_pages.shape[-1] != head_dim:
-    raise ValueError(f"q head_dim {head_dim} != k_pages head_dim "
-                     f"{k_pages.shape[-1]}")
-  if block_tables.ndim != 2 or seq_lens.shape != block_tables.shape[:1]:
-    raise ValueError("block_tables must be [num_seqs, max_blocks] and "
-                     f"seq_lens [num_seqs]; got {block_tables.shape}, "
-                     f"{seq_lens.shape}")
 
 
 @functools.partial(

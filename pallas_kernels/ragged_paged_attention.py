@@ -41,14 +41,13 @@ import jax
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels import reference
-from pallas_kernels.paged_attention import (
-    PageCopies, check_attention_shapes, dispatch, finalize_softmax,
+from pallas_kernels._common import (
+    PageCopies, check_attention_shapes, dispatch, finalize_softmax, gpu_call,
     gpu_supported, init_softmax_carry, next_power_of_2, online_softmax_step,
-    qk_logits)
+    qk_logits, tpu_call)
 
 
 def _tile_metadata(query_start_loc, num_seqs, num_tiles, tile):
@@ -192,22 +191,16 @@ def _ragged_tpu(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
   qo_spec = pl.BlockSpec((None, tile * group, head_dim),
                          lambda h, t, *_: (h, t, 0))
   buf = pltpu.VMEM((2, ppcb, block_size, head_dim), k_pages.dtype)
-  out = pl.pallas_call(
+  out = tpu_call(
       functools.partial(_tpu_kernel, group=group, pages_per_seq=pages_per_seq,
                         scale=scale),
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=5,
-          grid=(num_kv_heads, num_tiles),
-          in_specs=[qo_spec, pl.BlockSpec(memory_space=pl.ANY),
-                    pl.BlockSpec(memory_space=pl.ANY)],
-          out_specs=qo_spec,
-          scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2, 2))],
-      ),
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel")),
+      grid=(num_kv_heads, num_tiles), num_scalar_prefetch=5,
+      in_specs=[qo_spec, pl.BlockSpec(memory_space=pl.ANY),
+                pl.BlockSpec(memory_space=pl.ANY)],
+      out_specs=qo_spec,
       out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
-      interpret=interpret,
-      name="ragged_paged_attention_tpu",
+      scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2, 2))],
+      interpret=interpret, name="ragged_paged_attention_tpu",
   )(seq_lens.astype(jnp.int32), qsl, first, end,
     block_tables.astype(jnp.int32).reshape(-1), qg, k_pages, v_pages)
   return unpack(out)
@@ -308,17 +301,15 @@ def _ragged_gpu(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
     return pl.BlockSpec(x.shape, lambda h, t: (0,) * x.ndim)
 
   metadata = (tables, seq_lens.astype(jnp.int32), qsl, first, end)
-  out = pl.pallas_call(
+  out = gpu_call(
       functools.partial(_gpu_kernel, group=group, pages_per_compute_block=ppcb,
                         scale=scale),
       grid=(num_kv_heads, num_tiles),
       in_specs=[qo_spec, kv_spec, kv_spec, *map(whole, metadata)],
       out_specs=qo_spec,
       out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps,
-                                           num_stages=num_stages),
-      interpret=interpret,
-      name="ragged_paged_attention_gpu",
+      num_warps=num_warps, num_stages=num_stages,
+      interpret=interpret, name="ragged_paged_attention_gpu",
   )(qg, k_pages, v_pages, *metadata)
   return unpack(out)
 

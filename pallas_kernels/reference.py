@@ -1,15 +1,26 @@
-"""Pure-jnp references for the kernels in this package.
+"""Pure-jnp paged attention and cache ops: the CPU path, and what every kernel is tested against.
 
-Every function here has the same signature as its kernel (the kernel's tuning
-knobs are accepted and ignored), so tests and callers can swap one for the
-other. They are also the XLA path ("attention_backend='xla'") used on CPU:
+Every function here has the same signature as its kernel, so tests and callers can swap one for the
+other; ``backend="xla"`` (and the auto choice on CPU) of each kernel is the function here, and so is
+the engine's ``attention_backend="xla"``. They are checked against plain numpy loops in
+``tests/test_kernels.py``.
 
-* Attention gathers one sequence's (or one query token's) pages at a time and
-  maps over sequences/tokens in chunks with ``lax.map(..., batch_size=...)``,
-  so peak memory stays bounded (about ``_GATHER_BUDGET`` elements) instead of
-  materializing K/V for the whole batch.
-* Cache updates are XLA scatters; padding entries (negative ids) are dropped
-  by pointing them out of bounds with ``mode="drop"``.
+Attention does work in proportion to each sequence's real context, not to the padded batch:
+
+* The flat batch is split into query chunks of one sequence each: every sequence with one new
+  token (decode) is a chunk of width 1; a sequence with more is cut into chunks of
+  ``num_queries_per_block`` tokens (prefill). The split is computed in the graph from
+  ``query_start_loc`` and ``seq_lens``, so it needs no metadata beyond the kernels'.
+* Chunks are sorted longest context first and processed a batch at a time. Decode rows are one
+  batch, except the longest, which runs alone (a long row never makes the short ones loop long,
+  and a lone row computes no padding rows); prefill chunks go in batches of ``PREFILL_BATCH``
+  (a dynamic loop over the real ones). For a batch, a loop walks its block tables
+  ``pages_per_compute_block`` blocks at a time with an online (flash) softmax; its trip count is
+  ``ceil(longest context in the batch / (pages * block_size))``, computed at run time. Both loop
+  counts are dynamic (``lax.while_loop``), so padding rows, an empty prefill part and unused
+  block-table columns cost nothing, and none adds a shape to compile.
+* Cache updates are XLA scatters; padding entries (negative ids) are dropped by pointing them out of
+  bounds with ``mode="drop"``.
 
 Layout (shared with the kernels):
   k_pages, v_pages: ``[num_kv_heads, num_blocks, block_size, head_dim]``.
@@ -20,54 +31,145 @@ Layout (shared with the kernels):
 
 from __future__ import annotations
 
+import functools
+
 import jax
 from jax import lax
 import jax.numpy as jnp
 
-# Max elements of gathered K (or V) held at once by the chunked references.
-_GATHER_BUDGET = 1 << 24
+from pallas_kernels._common import DEFAULT_MASK_VALUE, cdiv
+
+# CPU defaults, measured with scripts/benchmark_kernels.py (README "Kernels").
+PAGES_PER_STEP = 4       # blocks per online-softmax step
+PREFILL_CHUNK = 16       # query tokens per prefill chunk
+PREFILL_BATCH = 8        # prefill chunks per batch
 
 
-def _chunk(num_items: int, per_item: int) -> int:
-  return max(1, min(num_items, _GATHER_BUDGET // max(per_item, 1)))
-
-
-def _gather_context(pages: jax.Array, block_table: jax.Array) -> jax.Array:
-  """[kvh, num_blocks, bs, d], [max_blocks] -> [kvh, max_blocks * bs, d]."""
-  kvh, _, bs, d = pages.shape
-  return pages[:, block_table].reshape(kvh, block_table.shape[0] * bs, d)
-
-
-def _attend(q, k, v, q_positions, seq_len, scale):
-  """Causal attention of a few query rows over one sequence's context.
+def _attend_chunks(out, q, k_pages, v_pages, tables, first_token, first_pos,
+                   length, num_chunks, *, width, rows, pages, scale):
+  """Writes the attention of ``num_chunks`` query chunks into ``out``.
 
   Args:
-    q: ``[n, num_q_heads, d]``.
-    k, v: ``[num_kv_heads, ctx, d]`` (the sequence's gathered pages).
-    q_positions: int32 ``[n]``, absolute position of each query row.
-    seq_len: number of valid context tokens.
-    scale: softmax scale.
+    out: float32 ``[num_tokens, num_q_heads, head_dim]``.
+    q: ``[num_tokens, num_q_heads, head_dim]``.
+    tables: int32 ``[C, max_blocks]``, the block table of each chunk's
+      sequence.
+    first_token, first_pos, length: int32 ``[C]``: chunk ``c`` is the
+      ``length[c]`` flat tokens from ``first_token[c]``, at positions
+      ``first_pos[c] + i``; each attends causally to keys ``0 .. position``.
+      Real chunks come first, longest context first.
+    num_chunks: int32 scalar; chunks at/after it are not computed.
+    width: static chunk width (>= every length).
+    rows: most chunks per batch; pages: blocks per online-softmax step.
 
   Returns:
-    ``[n, num_q_heads, d]`` float32; rows with no visible key are zeros.
+    ``out`` with the chunks' rows set (float32).
   """
-  n, hq, d = q.shape
-  kvh, ctx, _ = k.shape
-  qg = q.reshape(n, kvh, hq // kvh, d).astype(jnp.float32)
-  logits = jnp.einsum("nkgd,ktd->nkgt", qg, k.astype(jnp.float32)) * scale
-  key_pos = jnp.arange(ctx, dtype=jnp.int32)
-  mask = ((key_pos[None, :] <= q_positions[:, None])
-          & (key_pos[None, :] < seq_len))
-  mask = mask[:, None, None, :]
-  logits = jnp.where(mask, logits, -jnp.inf)
-  m = jnp.max(logits, axis=-1, keepdims=True)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  p = jnp.where(mask, jnp.exp(logits - m), 0.0)
-  l = jnp.sum(p, axis=-1, keepdims=True)
-  v32 = jnp.where(key_pos[None, :, None] < seq_len, v.astype(jnp.float32), 0.0)
-  out = jnp.einsum("nkgt,ktd->nkgd", p, v32)
-  out = jnp.where(l > 0, out / jnp.where(l > 0, l, 1.0), 0.0)
-  return out.reshape(n, hq, d)
+  num_tokens, hq, d = q.shape
+  hkv, _, bs, _ = k_pages.shape
+  group = hq // hkv
+  bk = pages * bs
+  q = jnp.concatenate([q.astype(jnp.float32), jnp.zeros((1, hq, d), jnp.float32)])
+  offsets = jnp.arange(width, dtype=jnp.int32)
+  num_max = tables.shape[0]
+  looped = num_max > rows
+  pad = lambda x: jnp.pad(x, ((0, -num_max % rows if looped else 0),)  # noqa: E731
+                          + ((0, 0),) * (x.ndim - 1))
+  tables = jnp.pad(tables, ((0, 0), (0, -tables.shape[1] % pages)))
+  tables, first_token, first_pos, length = map(
+      pad, (tables, first_token, first_pos, length))
+
+  def batch(start, size, b, out):
+    take = lambda x: lax.dynamic_slice_in_dim(x, start + b * size, size)  # noqa: E731
+    table, first, pos0, n = (take(x) for x in (tables, first_token, first_pos,
+                                               length))
+    valid = offsets[None, :] < n[:, None]                          # [R, W]
+    tokens = jnp.where(valid, first[:, None] + offsets, num_tokens)
+    q_pos = pos0[:, None] + offsets                                # [R, W]
+    kv_len = jnp.where(n > 0, pos0 + n, 0)                         # [R]
+    qb = q[tokens].reshape(size, width, hkv, group, d)
+    qb = qb.transpose(2, 0, 3, 1, 4).reshape(hkv, size, group * width, d)
+    q_pos = jnp.tile(q_pos, (1, group))                            # [R, G*W]
+    valid = jnp.tile(valid, (1, group))
+
+    def step(j, carry):
+      m_prev, l_prev, acc_prev = carry
+      ids = lax.dynamic_slice_in_dim(table, j * pages, pages, axis=1)  # [R, P]
+      k = k_pages[:, ids].reshape(hkv, size, bk, d).astype(jnp.float32)
+      v = v_pages[:, ids].reshape(hkv, size, bk, d).astype(jnp.float32)
+      k_pos = j * bk + jnp.arange(bk, dtype=jnp.int32)
+      v = jnp.where((k_pos[None, :] < kv_len[:, None])[None, :, :, None], v, 0.0)
+      s = jnp.einsum("hrqd,hrkd->hrqk", qb, k) * scale            # [H,R,G*W,K]
+      mask = ((k_pos[None, None, :] <= q_pos[:, :, None])
+              & valid[:, :, None])[None]                           # [1,R,G*W,K]
+      s = jnp.where(mask, s, DEFAULT_MASK_VALUE)
+      m = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))
+      p = jnp.where(mask, jnp.exp(s - m), 0.0)
+      alpha = jnp.exp(m_prev - m)
+      l = alpha * l_prev + jnp.sum(p, axis=-1, keepdims=True)
+      acc = alpha * acc_prev + jnp.einsum("hrqk,hrkd->hrqd", p, v)
+      return m, l, acc
+
+    shape = (hkv, size, group * width)
+    init = (jnp.full(shape + (1,), -jnp.inf, jnp.float32),
+            jnp.zeros(shape + (1,), jnp.float32),
+            jnp.zeros(shape + (d,), jnp.float32))
+    _, l, acc = lax.fori_loop(0, cdiv(jnp.max(kv_len), bk), step, init)
+    o = jnp.where(l > 0, acc / jnp.where(l > 0, l, 1.0), 0.0)
+    o = o.reshape(hkv, size, group, width, d).transpose(1, 3, 0, 2, 4)
+    o = o.reshape(size * width, hq, d)
+    return out.at[tokens.reshape(-1)].set(o, mode="drop")
+
+  if looped:  # batches of `rows` chunks
+    return lax.fori_loop(0, cdiv(num_chunks, rows),
+                         functools.partial(batch, 0, rows), out)
+  # One batch, but the first (longest) chunk alone, so that it never makes
+  # the short ones loop long and a lone chunk computes no padding.
+  out = batch(0, 1, 0, out)
+  return batch(1, num_max - 1, 0, out) if num_max > 1 else out
+
+
+def ragged_attention(q, k_pages, v_pages, block_tables, seq_lens,
+                     query_start_loc, num_seqs, *, scale,
+                     prefill_chunk=PREFILL_CHUNK, pages=PAGES_PER_STEP,
+                     prefill_batch=PREFILL_BATCH):
+  """The work split of the module docstring; arguments as in
+  `ragged_paged_attention_reference`."""
+  num_tokens = q.shape[0]
+  max_seqs = block_tables.shape[0]
+  num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
+  real = jnp.arange(max_seqs) < num_seqs
+  qsl = query_start_loc.astype(jnp.int32)
+  seq_lens = seq_lens.astype(jnp.int32)
+  tables = block_tables.astype(jnp.int32)
+  q_len = jnp.where(real, qsl[1:] - qsl[:-1], 0)
+  out = jnp.zeros(q.shape, jnp.float32)
+
+  # Decode: one chunk of width 1 per sequence with one query, longest first.
+  is_decode = q_len == 1
+  order = jnp.argsort(jnp.where(is_decode, -seq_lens, 1))
+  out = _attend_chunks(
+      out, q, k_pages, v_pages, tables[order], qsl[order], seq_lens[order] - 1,
+      is_decode[order].astype(jnp.int32), jnp.sum(is_decode), width=1,
+      rows=max_seqs, pages=pages, scale=scale)
+
+  # Prefill: chunks of `prefill_chunk` tokens, longest context first.
+  # Sequence s has ceil(q_len / W) of them; the static count bounds every
+  # batch of num_tokens tokens.
+  w = min(prefill_chunk, num_tokens)
+  counts = jnp.where(q_len > 1, cdiv(q_len, w), 0)
+  ends = jnp.cumsum(counts)
+  max_chunks = cdiv(num_tokens, w) + min(max_seqs, num_tokens // 2)
+  c = jnp.arange(max_chunks, dtype=jnp.int32)
+  seq = jnp.minimum(jnp.searchsorted(ends, c, side="right"), max_seqs - 1)
+  offset = (c - (ends - counts)[seq]) * w
+  length = jnp.where(c < ends[-1], jnp.clip(q_len[seq] - offset, 0, w), 0)
+  first_pos = seq_lens[seq] - q_len[seq] + offset
+  order = jnp.argsort(jnp.where(length > 0, -(first_pos + length), 1))
+  return _attend_chunks(
+      out, q, k_pages, v_pages, tables[seq][order], (qsl[seq] + offset)[order],
+      first_pos[order], length[order], ends[-1], width=w, rows=prefill_batch,
+      pages=pages, scale=scale)
 
 
 def paged_attention_reference(
@@ -82,7 +184,7 @@ def paged_attention_reference(
     backend: str | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-  """Decode attention reference: one query token per sequence.
+  """Decode attention: one query token per sequence.
 
   Args:
     q: ``[num_seqs, num_q_heads, head_dim]``.
@@ -91,49 +193,19 @@ def paged_attention_reference(
     seq_lens: int32 ``[num_seqs]``; query ``s`` attends to positions
       ``0 .. seq_lens[s] - 1``. Zero gives a zero output row.
     scale: softmax scale applied to ``q @ k``.
-    pages_per_compute_block, backend, interpret: ignored (kernel knobs).
+    pages_per_compute_block: blocks per online-softmax step (default
+      ``PAGES_PER_STEP``).
+    backend, interpret: ignored (kernel knobs).
 
   Returns:
     ``[num_seqs, num_q_heads, head_dim]`` in ``q.dtype``.
   """
-  del pages_per_compute_block, backend, interpret
-  num_kv_heads, _, block_size, head_dim = k_pages.shape
-  ctx = block_tables.shape[1] * block_size
-
-  def one(args):
-    q_s, table, seq_len = args
-    k = _gather_context(k_pages, table)
-    v = _gather_context(v_pages, table)
-    pos = (seq_len - 1)[None]
-    return _attend(q_s[None], k, v, pos, seq_len, scale)[0]
-
-  out = lax.map(one, (q, block_tables, seq_lens.astype(jnp.int32)),
-                batch_size=_chunk(q.shape[0], ctx * num_kv_heads * head_dim))
-  return out.astype(q.dtype)
-
-
-def token_metadata(query_start_loc, num_seqs, num_tokens):
-  """Sequence id and validity of every flat query row.
-
-  Args:
-    query_start_loc: int32 ``[max_seqs + 1]``.
-    num_seqs: int32 scalar or ``[1]``; sequences at/after it are padding.
-    num_tokens: static number of query rows.
-
-  Returns:
-    ``(seq_ids, valid)``: int32 ``[num_tokens]`` (clamped to a real index) and
-    bool ``[num_tokens]`` (False for rows at/after
-    ``query_start_loc[num_seqs]``).
-  """
-  num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
-  max_seqs = query_start_loc.shape[0] - 1
-  rows = jnp.arange(num_tokens, dtype=jnp.int32)
-  ends = query_start_loc[1:]
-  real = jnp.arange(max_seqs) < num_seqs
-  # Number of real sequences that end at or before each row.
-  seq_ids = jnp.sum(real[None, :] & (ends[None, :] <= rows[:, None]), axis=1)
-  valid = rows < query_start_loc[num_seqs]
-  return jnp.minimum(seq_ids, max_seqs - 1).astype(jnp.int32), valid
+  del backend, interpret
+  num_seqs = q.shape[0]
+  qsl = jnp.arange(num_seqs + 1, dtype=jnp.int32)
+  return ragged_paged_attention_reference(
+      q, k_pages, v_pages, block_tables, seq_lens, qsl, num_seqs, scale=scale,
+      pages_per_compute_block=pages_per_compute_block)
 
 
 def ragged_paged_attention_reference(
@@ -151,7 +223,7 @@ def ragged_paged_attention_reference(
     backend: str | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-  """Mixed prefill + decode attention reference over a flat batch of tokens.
+  """Mixed prefill + decode attention over a flat batch of tokens.
 
   Args:
     q: ``[num_tokens, num_q_heads, head_dim]``; rows
@@ -163,34 +235,22 @@ def ragged_paged_attention_reference(
     query_start_loc: int32 ``[max_seqs + 1]``.
     num_seqs: int32 scalar or ``[1]``.
     scale: softmax scale.
-    num_queries_per_block, pages_per_compute_block, backend, interpret:
-      ignored (kernel knobs).
+    num_queries_per_block: tokens per prefill chunk (default
+      ``PREFILL_CHUNK``).
+    pages_per_compute_block: blocks per online-softmax step (default
+      ``PAGES_PER_STEP``).
+    backend, interpret: ignored (kernel knobs).
 
   Returns:
     ``[num_tokens, num_q_heads, head_dim]`` in ``q.dtype``; row ``i`` of
     sequence ``s`` sits at position ``seq_lens[s] - q_len + i`` and attends
     causally; padding rows are zeros.
   """
-  del num_queries_per_block, pages_per_compute_block, backend, interpret
-  num_tokens = q.shape[0]
-  num_kv_heads, _, block_size, head_dim = k_pages.shape
-  ctx = block_tables.shape[1] * block_size
-  seq_ids, valid = token_metadata(query_start_loc, num_seqs, num_tokens)
-  seq_lens = seq_lens.astype(jnp.int32)
-  q_lens = query_start_loc[1:] - query_start_loc[:-1]
-  rows = jnp.arange(num_tokens, dtype=jnp.int32)
-  positions = (seq_lens[seq_ids] - q_lens[seq_ids]
-               + rows - query_start_loc[seq_ids])
-
-  def one(args):
-    q_t, seq_id, pos, ok = args
-    k = _gather_context(k_pages, block_tables[seq_id])
-    v = _gather_context(v_pages, block_tables[seq_id])
-    seq_len = jnp.where(ok, seq_lens[seq_id], 0)
-    return _attend(q_t[None], k, v, pos[None], seq_len, scale)[0]
-
-  out = lax.map(one, (q, seq_ids, positions, valid),
-                batch_size=_chunk(num_tokens, ctx * num_kv_heads * head_dim))
+  del backend, interpret
+  out = ragged_attention(
+      q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, num_seqs,
+      scale=scale, prefill_chunk=num_queries_per_block or PREFILL_CHUNK,
+      pages=pages_per_compute_block or PAGES_PER_STEP)
   return out.astype(q.dtype)
 
 

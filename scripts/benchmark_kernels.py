@@ -1,13 +1,23 @@
-"""Paged decode attention vs dense attention over a contiguous cache.
+"""Paged attention microbenchmarks: engine-like steps (old vs new CPU path), and paged vs dense.
 
-For each (batch, context) pair, builds a KV pool with shuffled block tables
+``--mode=steps`` (default) times the engine's ``xla`` attention on step shapes like the ones
+``sharegpt-like`` produces (5-62 rows of ragged contexts, one long row among short ones, a long
+prompt's prefill mixed with decode rows), one layer of bench-llama's attention (2 KV heads x 4,
+head dim 64, block 16), against the formulation it replaced (every chunk gathers its sequence's
+blocks padded to the step's power-of-two bucket, then einsum + masked softmax). Per case it
+prints both times, their ratio, and the K/V bytes and attention FLOPs each formulation touches
+against what the real contexts need (``attended``):
+
+  python scripts/benchmark_kernels.py --mode=steps
+
+``--mode=dense``: for each (batch, context) pair, builds a KV pool with shuffled block tables
 and a dense ``[batch, context, num_kv_heads, head_dim]`` cache holding the
 same tokens, then times one decode attention step of each (jitted,
 ``block_until_ready``, warmup runs, median of ``--num_runs``) and prints the
 ratio paged / dense.
 
-  python scripts/benchmark_kernels.py --batch=1,8,32 --context=512,2048
-  python scripts/benchmark_kernels.py --backend=pallas   # on TPU / GPU
+  python scripts/benchmark_kernels.py --mode=dense --batch=1,8,32 --context=512,2048
+  python scripts/benchmark_kernels.py --mode=dense --backend=pallas   # on TPU / GPU
 
 ``--backend=xla`` times the pure-jnp reference (the CPU path).
 ``--backend=pallas`` times the Pallas kernel for the current platform; on CPU
@@ -26,6 +36,8 @@ import numpy as np
 
 import pallas_kernels as pk
 
+_MODE = flags.DEFINE_enum("mode", "steps", ["steps", "dense"],
+                          "Engine-like steps (old vs new xla path) or paged vs dense decode.")
 _BATCH = flags.DEFINE_list("batch", ["1", "8", "32"], "Batch sizes.")
 _CONTEXT = flags.DEFINE_list("context", ["256", "1024", "2048"],
                              "Context lengths (tokens per sequence).")
@@ -96,8 +108,163 @@ def make_inputs(rng, batch, context, dtype):
   return paged, dense
 
 
+# ---------------------------------------------------------------------------
+# --mode=steps
+# ---------------------------------------------------------------------------
+
+STEP_CASES = {  # name: (q_len, context) per sequence
+    "decode 62 rows, one 1,188-token": [(1, 1188)] + [(1, 150 + 11 * i) for i in range(61)],
+    "decode 5 rows, one 740-token": [(1, 740), (1, 90), (1, 210), (1, 64), (1, 330)],
+    "decode 32 rows x 200-256 (fixed)": [(1, 200 + 2 * i) for i in range(32)],
+    "decode 1 row, 500 (single stream)": [(1, 500)],
+    "2,048-token prompt + 20 decode rows": [(2048, 2048)] + [(1, 100 + 40 * i) for i in range(20)],
+    "512-token chunk at 1,536 + 30 decode": [(512, 2048)] + [(1, 120 + 20 * i) for i in range(30)],
+}
+
+
+def bucket(n, minimum=1):
+  n = max(n, minimum)
+  return 1 << (n - 1).bit_length()
+
+
+def padded_gather_attention(q, k_pages, v_pages, block_tables, positions,
+                            groups, token_to_row, *, scale):
+  """The replaced formulation: each chunk (one sequence's decode row, or 16 of
+  its prompt tokens) gathers the sequence's blocks padded to the bucket."""
+  t, hq, d = q.shape
+  hkv = k_pages.shape[0]
+  q_padded = jnp.concatenate([q, jnp.zeros((1, hq, d), q.dtype)])
+  pos_padded = jnp.concatenate([positions, jnp.full((1,), -1, jnp.int32)])
+  outs = []
+  for chunk_seq, chunk_rows in groups:
+    c, qw = chunk_rows.shape
+    tables = block_tables[chunk_seq]
+    k = k_pages[:, tables].reshape(hkv, c, -1, d)
+    v = v_pages[:, tables].reshape(hkv, c, -1, d)
+    qc = q_padded[chunk_rows].reshape(c, qw, hkv, hq // hkv, d)
+    s = jnp.einsum("cqhgd,hckd->chgqk", qc, k) * scale
+    mask = (jnp.arange(k.shape[2])[None, None, :]
+            <= pos_padded[chunk_rows][:, :, None])[:, None, None]
+    p = jax.nn.softmax(jnp.where(mask, s, -1e30), axis=-1)
+    outs.append(jnp.einsum("chgqk,hckd->cqhgd", p, v).reshape(c * qw, hq, d))
+  return jnp.concatenate(outs)[token_to_row]
+
+
+def old_layout(seqs, t_pad):
+  """The replaced runner's chunk groups (power-of-two chunk counts)."""
+  decode, prefill, first = [], [], 0
+  for row, (n, _) in enumerate(seqs):
+    if n == 1:
+      decode.append((row, first, 1))
+    else:
+      prefill += [(row, first + c, min(16, n - c)) for c in range(0, n, 16)]
+    first += n
+  token_to_row = np.zeros(t_pad, np.int32)
+  groups, offset = [], 0
+  for chunks, width in ((decode, 1), (prefill, 16)):
+    if not chunks:
+      continue
+    c_pad = bucket(len(chunks))
+    chunk_seq = np.zeros(c_pad, np.int32)
+    rows = np.full((c_pad, width), t_pad, np.int32)
+    for i, (row, f, n) in enumerate(chunks):
+      chunk_seq[i] = row
+      rows[i, :n] = np.arange(f, f + n)
+      token_to_row[f:f + n] = offset + i * width + np.arange(n)
+    groups.append((chunk_seq, rows))
+    offset += c_pad * width
+  return tuple(groups), token_to_row
+
+
+def work(seqs, t_pad, b_pad, groups, bs, hkv, group, d):
+  """(K/V bytes, attention FLOPs) for attended / old / new, one layer, float32.
+
+  Keys read per query row: attended = its causal context; old = every chunk
+  reads b_pad blocks; new = its batch's trip count x pages x bs, with the
+  batches of pallas_kernels.reference rebuilt here on the host."""
+  from pallas_kernels import reference as ref
+  kv_bytes = lambda keys: keys * hkv * d * 2 * 4  # noqa: E731
+  flops = lambda q_keys: q_keys * hkv * group * d * 4  # noqa: E731
+  step = ref.PAGES_PER_STEP * bs
+  keys = lambda n: -(-n // step) * step  # noqa: E731
+  attended_keys = sum(ctx for _, ctx in seqs)  # each sequence's K/V read once
+  attended_qk = sum(ctx - n + i + 1 for n, ctx in seqs for i in range(n))
+  old_keys = sum(len(cs) * b_pad * bs for cs, _ in groups)
+  old_qk = sum(rows.size * b_pad * bs for _, rows in groups)
+
+  def batches(lens, num_max, rows):
+    """(rows, keys) per executed batch of chunks sorted longest first."""
+    lens = sorted(lens, reverse=True)
+    if not lens:
+      return []
+    if num_max <= rows:  # the longest alone, then the rest in one batch
+      return [(1, keys(lens[0]))] + ([(num_max - 1, keys(lens[1]))]
+                                     if len(lens) > 1 else [])
+    return [(rows, keys(lens[i])) for i in range(0, len(lens), rows)]
+
+  s_pad = bucket(len(seqs), 8)
+  dec = batches([ctx for n, ctx in seqs if n == 1], s_pad, s_pad)
+  w = ref.PREFILL_CHUNK
+  chunks = [ctx - n + c + min(w, n - c) for n, ctx in seqs if n > 1
+            for c in range(0, n, w)]
+  pre = batches(chunks, -(-t_pad // w) + min(s_pad, t_pad // 2),
+                ref.PREFILL_BATCH)
+  new_keys = sum(r * k for r, k in dec + pre)
+  new_qk = sum(r * k for r, k in dec) + sum(r * w * k for r, k in pre)
+  return {name: (kv_bytes(k), flops(f)) for name, k, f in
+          (("attended", attended_keys, attended_qk), ("old", old_keys, old_qk),
+           ("new", new_keys, new_qk))}
+
+
+def run_steps():
+  hkv, group, d, bs = 2, 4, 64, 16
+  scale = d ** -0.5
+  rng = np.random.default_rng(_SEED.value)
+  new_fn = jax.jit(functools.partial(pk.ragged_paged_attention_reference,
+                                     scale=scale))
+  old_fn = jax.jit(functools.partial(padded_gather_attention, scale=scale))
+  print(f"platform={jax.default_backend()} one layer: {hkv} kv heads x {group}, "
+        f"head_dim {d}, block {bs}, float32; median of {_NUM_RUNS.value}")
+  print(f"{'case':<38} {'old_ms':>8} {'new_ms':>8} {'speed-up':>8} "
+        f"{'KV MB att/old/new':>20} {'MFLOP att/old/new':>20} {'max_diff':>9}")
+  for name, seqs in STEP_CASES.items():
+    t = sum(n for n, _ in seqs)
+    t_pad, s_pad = bucket(t, 16), bucket(len(seqs), 8)
+    blocks = [-(-ctx // bs) for _, ctx in seqs]
+    b_pad = bucket(max(blocks), 4)
+    num_blocks = sum(blocks) + 1
+    perm = rng.permutation(num_blocks)
+    tables = np.zeros((s_pad, b_pad), np.int32)
+    nxt = 0
+    for i, nb in enumerate(blocks):
+      tables[i, :nb] = perm[nxt:nxt + nb]
+      nxt += nb
+    k = jnp.asarray(rng.standard_normal((hkv, num_blocks, bs, d), np.float32))
+    v = jnp.asarray(rng.standard_normal((hkv, num_blocks, bs, d), np.float32))
+    q = jnp.asarray(rng.standard_normal((t_pad, hkv * group, d), np.float32))
+    qsl = np.full(s_pad + 1, t, np.int32)
+    qsl[1:len(seqs) + 1] = np.cumsum([n for n, _ in seqs])
+    qsl[0] = 0
+    seq_lens = np.zeros(s_pad, np.int32)
+    seq_lens[:len(seqs)] = [ctx for _, ctx in seqs]
+    positions = np.zeros(t_pad, np.int32)
+    positions[:t] = np.concatenate([np.arange(ctx - n, ctx) for n, ctx in seqs])
+    groups, token_to_row = old_layout(seqs, t_pad)
+    new_args = (q, k, v, tables, seq_lens, qsl, np.int32(len(seqs)))
+    old_args = (q, k, v, tables, positions, groups, token_to_row)
+    t_old, t_new = time_fn(old_fn, *old_args), time_fn(new_fn, *new_args)
+    diff = float(jnp.max(jnp.abs(old_fn(*old_args)[:t] - new_fn(*new_args)[:t])))
+    w = work(seqs, t_pad, b_pad, groups, bs, hkv, group, d)
+    mb = "/".join(f"{w[x][0] / 1e6:.1f}" for x in ("attended", "old", "new"))
+    mf = "/".join(f"{w[x][1] / 1e6:.0f}" for x in ("attended", "old", "new"))
+    print(f"{name:<38} {t_old * 1e3:>8.2f} {t_new * 1e3:>8.2f} "
+          f"{t_old / t_new:>7.2f}x {mb:>20} {mf:>20} {diff:>9.1e}", flush=True)
+
+
 def main(argv):
   del argv
+  if _MODE.value == "steps":
+    return run_steps()
   dtype = jnp.dtype(_DTYPE.value)
   scale = 1.0 / _HEAD_DIM.value ** 0.5
   platform = jax.default_backend()

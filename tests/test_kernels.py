@@ -6,6 +6,11 @@ the Pallas kernels (TPU/Mosaic and GPU/Triton variants, both interpreted) are
 checked against the references. Lowering for real hardware is checked in
 ``test_kernels_export.py``.
 
+Interpret mode: on by default off TPU/GPU. ``PALLAS_INTERPRET=0`` on a TPU or
+GPU host runs the kernels compiled, and only that platform's kernel
+(``scripts/accelerator_check.sh``); ``PALLAS_INTERPRET=1`` forces interpret
+mode anywhere.
+
 Tolerances: float32 atol = rtol = 2e-5 (kernels accumulate in float32 in a
 different order); bfloat16 atol = rtol = 3e-2 (inputs are bfloat16 for both
 sides; the kernels round softmax weights to bfloat16 before the PV matmul in
@@ -14,6 +19,7 @@ the ragged kernel and round the output to bfloat16).
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +30,12 @@ import pallas_kernels as pk
 
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5),
        jnp.bfloat16: dict(atol=3e-2, rtol=3e-2)}
-KERNEL_BACKENDS = ["tpu", "gpu"]
+_PLATFORM = jax.default_backend()
+INTERPRET = os.environ.get(
+    "PALLAS_INTERPRET", "0" if _PLATFORM in ("tpu", "gpu") else "1") == "1"
+# Interpreted, both kernels run on any host; compiled, only the platform's.
+KERNEL_BACKENDS = (["tpu", "gpu"] if INTERPRET
+                   else ["tpu" if _PLATFORM == "tpu" else "gpu"])
 
 
 # ---------------------------------------------------------------------------
@@ -203,6 +214,21 @@ def test_ragged_reference_vs_numpy(case):
   check(out, expected, case.dtype)
 
 
+def test_reference_work_split_vs_numpy():
+  """Small knobs: prefill chunks of 4 tokens in several batches, decode rows
+  sorted longest first, one block per online-softmax step."""
+  case = Case(seqs=[(1, 70), (23, 40), (1, 3), (7, 7), (1, 33), (2, 18)],
+              block_size=8, max_seqs=8, extra_tokens=2)
+  args, kw = case.build()
+  out = pk.ragged_paged_attention_reference(
+      *args, num_queries_per_block=4, pages_per_compute_block=1, **kw)
+  q, k, v, bt, sl, qsl, ns = args
+  expected = np_ragged(as_np(q), as_np(k), as_np(v), np.asarray(bt),
+                       np.asarray(sl), np.asarray(qsl), int(ns[0]),
+                       kw["scale"])
+  check(out, expected, case.dtype)
+
+
 def _cache_inputs(seed=0, dtype=jnp.float32, kvh=2, num_blocks=6, bs=8,
                   d=64, num_tokens=9):
   rng = np.random.default_rng(seed)
@@ -255,7 +281,7 @@ def test_paged_attention(name, backend):
   case = DECODE_CASES[name]
   (q, k, v, bt, sl, _, _), kw = case.build()
   out = pk.paged_attention(q, k, v, bt, sl, pages_per_compute_block=4,
-                           backend=backend, interpret=True, **kw)
+                           backend=backend, interpret=INTERPRET, **kw)
   assert out.shape == q.shape and out.dtype == q.dtype
   check(out, pk.paged_attention_reference(q, k, v, bt, sl, **kw), case.dtype)
   assert not np.any(as_np(out)[np.asarray(sl) == 0])  # empty -> zeros
@@ -282,7 +308,7 @@ def test_ragged_paged_attention(name, backend):
   case = RAGGED_CASES[name]
   args, kw = case.build()
   out = pk.ragged_paged_attention(*args, pages_per_compute_block=2,
-                                  backend=backend, interpret=True, **kw)
+                                  backend=backend, interpret=INTERPRET, **kw)
   q = args[0]
   assert out.shape == q.shape and out.dtype == q.dtype
   check(out, pk.ragged_paged_attention_reference(*args, **kw), case.dtype)
@@ -294,10 +320,11 @@ def test_ragged_decode_rows_match_paged_attention():
   """A batch of q_len == 1 rows is the decode kernel's problem."""
   case = decode_case([1, 16, 17, 70], block_size=16)
   (q, k, v, bt, sl, qsl, ns), kw = case.build()
-  decode = pk.paged_attention(q, k, v, bt, sl, backend="tpu", interpret=True,
-                              **kw)
-  ragged = pk.ragged_paged_attention(q, k, v, bt, sl, qsl, ns, backend="tpu",
-                                     interpret=True, **kw)
+  backend = KERNEL_BACKENDS[0]
+  decode = pk.paged_attention(q, k, v, bt, sl, backend=backend,
+                              interpret=INTERPRET, **kw)
+  ragged = pk.ragged_paged_attention(q, k, v, bt, sl, qsl, ns, backend=backend,
+                                     interpret=INTERPRET, **kw)
   np.testing.assert_allclose(np.asarray(ragged), np.asarray(decode),
                              atol=2e-5, rtol=2e-5)
 
@@ -308,10 +335,12 @@ def test_ragged_scalar_num_seqs_and_small_tiles():
   args = args[:6] + (jnp.int32(2),)  # scalar; third sequence is padding now
   ref = pk.ragged_paged_attention_reference(*args, **kw)
   assert not np.any(np.asarray(ref)[23:])
-  for backend, tile in (("tpu", 32), ("gpu", 4)):
+  tiles = {"tpu": 32, "gpu": 4}
+  for backend in KERNEL_BACKENDS:
+    tile = tiles[backend]
     out = pk.ragged_paged_attention(*args, num_queries_per_block=tile,
                                     pages_per_compute_block=3,
-                                    backend=backend, interpret=True, **kw)
+                                    backend=backend, interpret=INTERPRET, **kw)
     check(out, ref, jnp.float32)
 
 
@@ -319,7 +348,7 @@ def test_ragged_scalar_num_seqs_and_small_tiles():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_write_kv(backend, dtype):
   k, v, kn, vn, slots = _cache_inputs(dtype=dtype, kvh=2, bs=16, d=128)
-  got = pk.write_kv(k, v, kn, vn, slots, backend=backend, interpret=True)
+  got = pk.write_kv(k, v, kn, vn, slots, backend=backend, interpret=INTERPRET)
   want = pk.write_kv_reference(k, v, kn, vn, slots)
   for g, w in zip(got, want):
     assert g.dtype == dtype
@@ -332,7 +361,7 @@ def test_copy_blocks(backend, dtype):
   k, v, *_ = _cache_inputs(dtype=dtype, kvh=3, bs=32, d=64, num_blocks=9)
   src = jnp.array([0, 3, -1, 2, 8], jnp.int32)
   dst = jnp.array([4, 5, 1, -1, 7], jnp.int32)
-  got = pk.copy_blocks(k, v, src, dst, backend=backend, interpret=True)
+  got = pk.copy_blocks(k, v, src, dst, backend=backend, interpret=INTERPRET)
   want = pk.copy_blocks_reference(k, v, src, dst)
   for g, w in zip(got, want):
     np.testing.assert_array_equal(as_np(g), as_np(w))
@@ -399,7 +428,7 @@ def test_paged_attention_sweep(block_size, head_dim, group, dtype, backend):
                      block_size=bs, head_dim=head_dim, group=group,
                      dtype=dtype, seed=bs + head_dim + group)
   (q, k, v, bt, sl, _, _), kw = case.build()
-  out = pk.paged_attention(q, k, v, bt, sl, backend=backend, interpret=True,
+  out = pk.paged_attention(q, k, v, bt, sl, backend=backend, interpret=INTERPRET,
                            **kw)
   check(out, pk.paged_attention_reference(q, k, v, bt, sl, **kw), dtype)
 
@@ -418,6 +447,6 @@ def test_ragged_paged_attention_sweep(block_size, head_dim, group, dtype,
               block_size=bs, head_dim=head_dim, group=group, dtype=dtype,
               max_seqs=8, extra_tokens=5, seed=bs + head_dim + group)
   args, kw = case.build()
-  out = pk.ragged_paged_attention(*args, backend=backend, interpret=True,
+  out = pk.ragged_paged_attention(*args, backend=backend, interpret=INTERPRET,
                                   **kw)
   check(out, pk.ragged_paged_attention_reference(*args, **kw), dtype)
