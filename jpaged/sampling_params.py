@@ -22,6 +22,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # keep a stop string (or stop token's text) in .text
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -56,10 +57,6 @@ class SamplingParams:
         check(self.seed is None or isinstance(self.seed, int), "seed", "must be an int or None")
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
     def uses_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
@@ -75,6 +72,9 @@ class BeamSearchParams:
     length_penalty: float = 1.0
 
     def __post_init__(self):
+        self.validate()
+
+    def validate(self):
         if not (isinstance(self.beam_width, int) and self.beam_width >= 1):
             raise ValueError(f"BeamSearchParams.beam_width={self.beam_width!r}: must be an integer >= 1")
         if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
