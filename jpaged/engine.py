@@ -1,9 +1,13 @@
 """LLMEngine: the loop. add_request / step / abort_request / has_unfinished_requests.
 
-Each step: the scheduler picks tokens per request under the budget, the model runner runs the
-jitted step, and the results are appended here, stop conditions checked, finished requests freed.
+One step reads top to bottom:
+    out = scheduler.schedule()                      # who runs, with which blocks (plain data)
+    result = runner.execute(out)                    # copies, swaps, the jitted step, sampling
+    advanced = scheduler.update_from_output(out, *result)   # tokens appended, forks, stops, frees
+    then, here: detokenization, stop strings, RequestOutputs.
+A step that raises fails only the requests it carried (finish_reason "error"); the engine goes on.
 """
-import itertools
+import logging
 import os
 import time
 
@@ -12,14 +16,23 @@ import jax.numpy as jnp
 
 from jpaged import beam_search, sharding
 from jpaged.config import EngineConfig
-from jpaged.core.kv_cache_manager import KVCacheManager, cdiv
-from jpaged.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from jpaged.core.kv_cache_manager import KVCacheManager
+from jpaged.core.scheduler import SampleRow, Scheduler, SchedulerOutput, ScheduledSeq
 from jpaged.detokenizer import IncrementalDetokenizer
 from jpaged.loading import load_model
 from jpaged.model_runner import ModelRunner
 from jpaged.outputs import CompletionOutput, RequestOutput
 from jpaged.request import Request, Sequence
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
+from jpaged.utils import cdiv
+
+logger = logging.getLogger("jpaged")
+if not logger.handlers:  # one line per event on stderr, as vLLM prints its start-up facts
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("jpaged: %(message)s"))
+    logger.addHandler(_handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -47,7 +60,7 @@ class LLMEngine:
         self.attention_backend = backend if backend != "auto" else ("pallas" if platform in ("tpu", "gpu") else "xla")
         model, self.tokenizer = self._load(model, tokenizer)
         mc = self.model_config = model.config
-        sc = config.scheduler
+        sc, cc = config.scheduler, config.cache
         if sc.max_model_len is not None and sc.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len={sc.max_model_len}: exceeds the model's "
                              f"max_position_embeddings={mc.max_position_embeddings}")
@@ -55,7 +68,6 @@ class LLMEngine:
         tok = self.tokenizer
         self.eos_token_ids = tuple(mc.eos_token_ids) or (
             (tok.eos_token_id,) if tok is not None and tok.eos_token_id is not None else ())
-        cc = config.cache
         self.num_blocks = self._num_blocks()
         if cc.allocator == "paged":
             self.kv_cache = KVCacheManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching,
@@ -64,14 +76,14 @@ class LLMEngine:
             from jpaged.core.reservation import ReservationKVCacheManager
             self.kv_cache = ReservationKVCacheManager(self.num_blocks, cc.block_size, mode=cc.allocator,
                                                       max_model_len=self.max_model_len)
-        self.scheduler = Scheduler(sc, self.kv_cache, preemption_mode=cc.preemption_mode,
+        self.scheduler = Scheduler(sc, self.kv_cache, max_model_len=self.max_model_len,
+                                   preemption_mode=cc.preemption_mode,
                                    swap_capacity_blocks=cc.swap_space_bytes // self._kv_bytes_per_block())
-        self.runner = ModelRunner(model, self.kv_cache, num_blocks=self.num_blocks, dtype=self.dtype,
-                                  mesh=self.mesh, seed=config.seed)
+        self.runner = ModelRunner(model, num_blocks=self.num_blocks, block_size=cc.block_size,
+                                  dtype=self.dtype, mesh=self.mesh, seed=config.seed)
         self.requests: dict[str, Request] = {}
-        self.detokenizers: dict[int, IncrementalDetokenizer] = {}
-        self._arrivals = itertools.count()
         self.peak_kv_cache_usage = 0.0
+        self.num_failed_steps = 0
         self._warm_up()
 
     # Set-up --------------------------------------------------------------------------------------
@@ -99,62 +111,90 @@ class LLMEngine:
                 * jnp.dtype(self.dtype).itemsize)
 
     def _num_blocks(self) -> int:
+        """Pool size: ``num_kv_blocks``, else a byte budget (``kv_cache_memory_bytes``, else the
+        device's free memory x ``memory_utilization``, else on CPU ``cpu_default_bytes``), never
+        more than ``max_num_seqs`` sequences of ``max_model_len`` tokens could use."""
         cc, sc = self.config.cache, self.config.scheduler
         per_block = self._kv_bytes_per_block()
         if cc.num_kv_blocks is not None:
-            return cc.num_kv_blocks
-        if cc.kv_cache_memory_bytes is not None:
-            budget = cc.kv_cache_memory_bytes
+            n = cc.num_kv_blocks
         else:
-            stats = self.mesh.devices.flat[0].memory_stats() or {}
-            if "bytes_limit" in stats:
-                budget = int(stats["bytes_limit"] * cc.memory_utilization) - stats.get("bytes_in_use", 0)
-            else:  # CPU: devices report no memory
-                budget = cc.cpu_default_bytes
-        n = min(budget // per_block, sc.max_num_seqs * cdiv(self.max_model_len, cc.block_size))
-        if n < 1:
-            raise ValueError(f"kv_cache_memory_bytes={budget}: too small for one KV block of {per_block} bytes")
+            if cc.kv_cache_memory_bytes is not None:
+                budget, source = cc.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+            else:
+                stats = self.mesh.devices.flat[0].memory_stats() or {}
+                if "bytes_limit" in stats:
+                    budget = int(stats["bytes_limit"] * cc.memory_utilization) - stats.get("bytes_in_use", 0)
+                    source = f"memory_utilization={cc.memory_utilization}"
+                else:  # CPU: devices report no memory
+                    budget, source = cc.cpu_default_bytes, "the CPU default"
+            n = min(budget // per_block, sc.max_num_seqs * cdiv(self.max_model_len, cc.block_size))
+            if n < 1:
+                raise ValueError(f"kv_cache_memory_bytes={budget}: too small for one KV block of {per_block} bytes")
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB per device (%s); "
+                    "set num_kv_blocks or kv_cache_memory_bytes to change it",
+                    n, cc.block_size, n * cc.block_size, n * per_block / 2**20,
+                    "num_kv_blocks" if cc.num_kv_blocks is not None else source)
         return int(n)
 
     def _warm_up(self) -> None:
-        """Compiles the smallest step (one decode-shaped row) before the first request."""
-        request = Request("warmup", None, [0], SamplingParams(temperature=0.0, max_tokens=1), -1)
+        """Compiles the smallest step (one decode-shaped row, writing into block 0, which is free)."""
+        request = Request("warmup", None, [0], SamplingParams(temperature=0.0, max_tokens=1))
         seq = request.seqs[0]
-        self.kv_cache.allocate(seq, 1)
-        self.runner.execute(SchedulerOutput(scheduled=[ScheduledRequest(request, 1)]))
-        self.kv_cache.free(seq)
+        self.runner.execute(SchedulerOutput(seqs=[ScheduledSeq([0], 0, [0])],
+                                            sample_rows=[SampleRow(request, seq, 0, 0)]))
 
     # Requests ---------------------------------------------------------------------------------------
-    def tokenize(self, prompt) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt) -> tuple[str | None, list[int], str | None]:
+        """(text or None, token ids, cache_salt or None) of a prompt in any accepted form."""
+        salt = None
         if isinstance(prompt, dict):
+            salt = prompt.get("cache_salt")
+            if salt is not None and not isinstance(salt, str):
+                raise ValueError(f"cache_salt: expected a string, got {type(salt).__name__}")
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
+                return prompt.get("prompt"), self._token_ids(prompt["prompt_token_ids"]), salt
+            if "prompt" not in prompt:
                 raise ValueError("prompt: a dict prompt needs 'prompt_token_ids' or 'prompt'")
+            prompt = prompt["prompt"]
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: text given but the model has no tokenizer; pass token ids")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)):
-            return None, list(prompt)
+            return prompt, self.tokenizer.encode(prompt), salt
+        if isinstance(prompt, (list, tuple)) or hasattr(prompt, "tolist"):
+            return None, self._token_ids(prompt), salt
         raise ValueError(f"prompt: expected str, list[int] or dict, got {type(prompt).__name__}")
+
+    @staticmethod
+    def _token_ids(ids) -> list[int]:
+        """Token ids as Python ints (numpy integers accepted; bools, floats and strings are not)."""
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)]
+        if bad:
+            raise ValueError(f"prompt_token_ids: {bad[:5]!r} are not integer token ids")
+        return ids
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams | BeamSearchParams) -> None:
         """Every check on a request, before it touches the scheduler or the device."""
-        if isinstance(params, (SamplingParams, BeamSearchParams)):  # vocabulary-dependent checks, grammars
-            params.validate_for_vocab(self.model_config.vocab_size, self.tokenizer)
+        if not isinstance(params, (SamplingParams, BeamSearchParams)):
+            raise ValueError(f"sampling_params: expected SamplingParams or BeamSearchParams, "
+                             f"got {type(params).__name__}")
+        params.validate()
+        vocab = self.model_config.vocab_size
+        params.validate_for_vocab(vocab, self.tokenizer)  # ids, logprobs, beam width; grammars compiled
         if isinstance(params, BeamSearchParams):
             params = SamplingParams(n=params.beam_width, max_tokens=params.max_tokens)
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
-        params.validate()
+        sc = self.config.scheduler
+        if params.n > sc.max_num_seqs:
+            raise ValueError(f"max_num_seqs={sc.max_num_seqs}: smaller than the request's {params.n} "
+                             "sequences (n or beam_width), which must run in one step")
+        if params.n > sc.max_num_batched_tokens:
+            raise ValueError(f"max_num_batched_tokens={sc.max_num_batched_tokens}: smaller than the request's "
+                             f"{params.n} sequences (n or beam_width), which each need a token per step")
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt: empty prompt (0 tokens)")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in prompt_token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids: {bad[:5]} outside the vocabulary [0, {vocab})")
         if n >= self.max_model_len:
@@ -169,12 +209,17 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | BeamSearchParams | None = None,
                     *, cache_salt: str | None = None) -> Request:
-        """Queues a request; with `BeamSearchParams` it is a beam search (beams scheduled together)."""
+        """Queues a request; with `BeamSearchParams` it is a beam search (beams scheduled together).
+
+        ``prompt`` may carry its own ``cache_salt`` (``{"prompt_token_ids": ..., "cache_salt": ...}``).
+        """
         request_id = str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id={request_id!r}: already in use")
-        params = sampling_params or SamplingParams()
-        text, token_ids = self.tokenize(prompt)
+        params = SamplingParams() if sampling_params is None else sampling_params
+        text, token_ids, salt = self.tokenize(prompt)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt: expected a string, got {type(cache_salt).__name__}")
         self.validate(token_ids, params)
         beam = None
         if isinstance(params, BeamSearchParams):
@@ -182,10 +227,11 @@ class LLMEngine:
             beam = beam_search.BeamState(params, max_new)
             params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=params.ignore_eos)
             params.logprobs = 2 * beam.params.beam_width  # each beam's top 2k next tokens
-        if getattr(params, "prompt_logprobs", None) is not None:  # cached blocks are never run: skip the cache
+        cache_salt = cache_salt if cache_salt is not None else salt
+        if params.prompt_logprobs is not None:  # cached blocks are never run: skip the cache
             cache_salt = f"{cache_salt}/prompt_logprobs/{request_id}"
-        request = Request(request_id, text, token_ids, params, next(self._arrivals),
-                          eos_token_ids=self.eos_token_ids, cache_salt=cache_salt, beam=beam)
+        request = Request(request_id, text, token_ids, params, eos_token_ids=self.eos_token_ids,
+                          cache_salt=cache_salt, beam=beam)
         request.seqs[0].max_tokens = min(params.max_tokens or self.max_model_len,
                                          self.max_model_len - len(token_ids))
         self.requests[request_id] = request
@@ -193,7 +239,7 @@ class LLMEngine:
         return request
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        request = self.requests.pop(str(request_id), None)
+        request = self.requests.get(str(request_id))
         if request is None:
             return None
         output = None
@@ -202,10 +248,17 @@ class LLMEngine:
             request.beam.done = True
         for seq in request.live_seqs:
             seq.finish_reason = "abort"
-        request.metrics.finished_time = time.time()
+        self._end(request)
+        return output or self._output(request)
+
+    def _end(self, request: Request) -> None:
+        """Forgets a request that has ended: its blocks, its host copy, its per-request state."""
         self.scheduler.finish(request)
         self.runner.discard_swapped(s.seq_id for s in request.seqs)
-        return output or self._output(request)
+        for seq in request.seqs:
+            seq.detokenizer = None
+        request.metrics.finished_time = time.time()
+        self.requests.pop(request.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -215,116 +268,90 @@ class LLMEngine:
 
     # The loop ---------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One scheduling + model step; outputs of every request that advanced (or finished)."""
-        sched = self.scheduler.schedule()
+        """One scheduling + model step; outputs of every request that advanced (or ended)."""
+        out = self.scheduler.schedule()
         self.peak_kv_cache_usage = max(self.peak_kv_cache_usage, self.kv_cache.usage())
-        if not sched.scheduled:
-            return []
-        result = self.runner.execute(sched)
-        for sr in sched.scheduled:
-            for seq in sr.request.live_seqs:
-                seq.num_computed_tokens += sr.num_new_tokens
-        samples: dict[str, list] = {}
-        for i, row in enumerate(result.rows):
-            samples.setdefault(row.request.request_id, []).append(
-                (row, int(result.tokens[i]), float(result.logprobs[i]), result.top_ids[i], result.top_logprobs[i]))
-        for request_samples in samples.values():
-            self._process_samples(request_samples)
+        if not out.requests:
+            return self._fail_unschedulable()
+        try:
+            result = self.runner.execute(out)
+        except Exception as error:  # noqa: BLE001 -- any failure ends only this step's requests
+            return self._fail_step(out, error)
+        advanced = self.scheduler.update_from_output(out, result.tokens, result.logprobs, result.top_ids,
+                                                     result.top_logprobs, result.prompt_logprobs)
         now = time.time()
         outputs = []
-        for sr in sched.scheduled:
-            request = sr.request
-            if request.metrics.first_token_time is None and any(s.num_output_tokens for s in request.seqs):
+        for request, seqs in advanced:
+            if request.beam is None:
+                for seq in seqs:
+                    self._detokenize(request, seq)
+            if request.metrics.first_token_time is None and seqs:
                 request.metrics.first_token_time = now
             if request.finished:
-                request.metrics.finished_time = now
-                self.scheduler.finish(request)
-                self.requests.pop(request.request_id, None)
-            else:
-                for seq in request.seqs:  # a finished sample returns its blocks at once
-                    if seq.finished and self.kv_cache.block_table(seq):
-                        self.kv_cache.free(seq)
+                self._end(request)
             outputs.append(self._output(request))
         return outputs
 
-    def _process_samples(self, rows: list) -> None:
-        """Appends one request's sampled tokens; forks the prompt sequence on its first n > 1 sample."""
-        request = rows[0][0].request
+    def _fail_step(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        """Ends the step's requests with finish_reason "error"; the engine goes on with the rest.
+
+        Blocks registered in the prefix cache this step were never written, so free cached blocks
+        are forgotten; if the failure consumed the donated KV pool, a new pool is made and every
+        running request recomputes.
+        """
+        logger.error("engine step failed; ending its %d request(s): %r", len(out.requests), error)
+        self.num_failed_steps += 1
+        outputs = []
+        for sr in out.requests:
+            request = sr.request
+            if request.beam is not None:
+                request.beam.done = True
+            for seq in request.live_seqs:
+                seq.finish_reason, seq.stop_reason = "error", repr(error)
+            self._end(request)
+            outputs.append(self._output(request))
+        if self.runner.kv_pool_lost():
+            self.scheduler.preempt_all()
+            self.runner.reset_kv_pool()
+        if hasattr(self.kv_cache.pool, "forget_free_blocks"):
+            self.kv_cache.pool.forget_free_blocks()
+        return outputs
+
+    def _fail_unschedulable(self) -> list[RequestOutput]:
+        """With nothing running, a waiting request that still cannot be scheduled never will be."""
+        sched = self.scheduler
+        if sched.running or not sched.waiting:
+            return []
+        request = sched.waiting[0]
+        for seq in request.live_seqs:
+            seq.finish_reason, seq.stop_reason = "error", "cannot be scheduled with these engine settings"
         if request.beam is not None:
-            return self._beam_step(request, rows)
-        if len(rows) > 1 and len(request.seqs) == 1:
-            parent = request.seqs[0]
-            for row, *_ in rows[1:]:
-                child = parent.fork(row.sample_index)
-                self.kv_cache.fork(parent, child)
-                request.seqs.append(child)
-                row.seq = child
-        for row, token, logprob, top_ids, top_lps in rows:
-            self._append_token(request, row.seq, token, logprob, top_ids, top_lps)
+            request.beam.done = True
+        self._end(request)
+        logger.error("request %s cannot be scheduled with these engine settings; ended", request.request_id)
+        return [self._output(request)]
 
-    def _beam_step(self, request: Request, rows: list) -> None:
-        """Picks the next beams; a beam chosen twice forks (shares blocks), one not chosen is freed."""
-        state = request.beam
-        width = 2 * state.params.beam_width
-        candidates = [beam_search.Candidate(row.seq.cumulative_logprob + float(lp), row.seq, int(t))
-                      for row, _, _, top_ids, top_lps in rows for t, lp in zip(top_ids[:width], top_lps[:width])]
-        gen_len = rows[0][0].seq.num_output_tokens
-        chosen = beam_search.select(state, candidates, gen_len, request.eos_token_ids)
-        beams, kept = [], set()
-        for c in chosen:  # fork first, from parents that have not taken their new token yet
-            if id(c.parent) in kept:
-                seq = c.parent.fork(len(beams))
-                self.kv_cache.fork(c.parent, seq)
-            else:
-                kept.add(id(c.parent))
-                seq = c.parent
-            beams.append((seq, c))
-        for seq in request.seqs:
-            if id(seq) not in kept:
-                self.kv_cache.free(seq)
-        for i, (seq, c) in enumerate(beams):
-            seq.token_ids.append(c.token)
-            seq.cumulative_logprob, seq.index = c.score, i
-        request.seqs = [seq for seq, _ in beams]
-
-    def _append_token(self, request: Request, seq: Sequence, token: int, logprob: float, top_ids, top_lps):
-        params = request.sampling_params
-        seq.token_ids.append(token)
-        seq.cumulative_logprob += logprob
-        if params.logprobs is not None:
-            entry = {token: logprob}
-            entry.update({int(t): float(lp) for t, lp in zip(top_ids[:params.logprobs], top_lps[:params.logprobs])})
-            seq.logprobs = (seq.logprobs or []) + [entry]
-        if self.tokenizer is not None:
-            detok = self.detokenizers.setdefault(
-                seq.seq_id, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens))
-            old_len = len(seq.text)
-            seq.text += detok.step(seq.output_token_ids)
-            if params.stop and seq.num_output_tokens >= params.min_tokens:
-                for stop in params.stop:
-                    at = seq.text.find(stop, max(0, old_len - len(stop) + 1))
-                    if at >= 0:
-                        seq.text = seq.text[:at]
-                        seq.finish_reason, seq.stop_reason = "stop", stop
-                        break
-        self._check_stop(request, seq, token)
-        if seq.finished:
-            self.detokenizers.pop(seq.seq_id, None)
-
-    def _check_stop(self, request: Request, seq: Sequence, token: int) -> None:
-        if seq.finished:
+    def _detokenize(self, request: Request, seq: Sequence) -> None:
+        """Grows the sequence's text; a stop string ends it. A stop token's text is left out."""
+        if self.tokenizer is None:
             return
         params = request.sampling_params
-        if seq.num_output_tokens >= params.min_tokens:
-            if token in params.stop_token_ids:
-                seq.finish_reason, seq.stop_reason = "stop", token
+        if seq.detokenizer is None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        ids = seq.output_token_ids
+        if seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str) \
+                and not params.include_stop_str_in_output:
+            ids = ids[:-1]
+        old_len = len(seq.text)
+        seq.text += seq.detokenizer.step(ids)
+        if not params.stop or seq.num_output_tokens < params.min_tokens or seq.finish_reason == "stop":
+            return
+        for stop in params.stop:
+            at = seq.text.find(stop, max(0, old_len - len(stop) + 1))
+            if at >= 0:
+                seq.text = seq.text[:at + len(stop)] if params.include_stop_str_in_output else seq.text[:at]
+                self.scheduler.stop_sequence(request, seq, "stop", stop)
                 return
-            if not params.ignore_eos and token in request.eos_token_ids:
-                seq.finish_reason = "stop"
-                return
-        if (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) \
-                or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = "length"
 
     def _output(self, request: Request) -> RequestOutput:
         if request.beam is not None:
@@ -340,7 +367,7 @@ class LLMEngine:
     def _beam_output(self, request: Request, finish_reason: str | None = None) -> RequestOutput:
         """Finished hypotheses best first (the running beams while the search goes on, or if aborted)."""
         finished = request.finished or finish_reason is not None
-        if request.finished:
+        if request.finished and request.beam.finished:
             hyps = request.beam.finished
         else:
             hyps = [beam_search.Hypothesis(s.cumulative_logprob, s.cumulative_logprob, s.output_token_ids)
@@ -353,6 +380,8 @@ class LLMEngine:
                 reason = "stop" if ended_by_eos else "length"
             else:
                 reason = finish_reason
+            if request.seqs and request.seqs[0].finish_reason == "error":
+                reason = "error"
             text = self.tokenizer.decode(h.token_ids, skip_special_tokens=True) if self.tokenizer else ""
             completions.append(CompletionOutput(
                 index=i, text=text, token_ids=list(h.token_ids), cumulative_logprob=h.cumulative_logprob,
@@ -370,11 +399,14 @@ class LLMEngine:
             "peak_kv_cache_usage": self.peak_kv_cache_usage,
             "num_total_blocks": pool.num_blocks,
             "num_free_blocks": pool.num_free_blocks,
+            "num_running_requests": len(self.scheduler.running),
+            "num_waiting_requests": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_swap_outs": self.scheduler.num_swap_outs,
             "prefix_cache_queries": self.kv_cache.prefix_cache_queries,
             "prefix_cache_hits": self.kv_cache.prefix_cache_hits,
             "num_compilations": self.runner.num_compilations,
+            "num_failed_steps": self.num_failed_steps,
             "block_size": self.config.cache.block_size,
             "attention_backend": self.attention_backend,
         }

@@ -1,4 +1,12 @@
-"""LLM: the offline API. Batch generation over an LLMEngine, with a progress bar."""
+"""LLM: the offline API. Batch generation over an LLMEngine, with a progress bar.
+
+An `LLM` may be called from several threads: calls run one at a time (a lock), each over its own
+requests. A call that fails or is interrupted aborts its requests, so no blocks are left behind.
+"""
+import dataclasses
+import threading
+import time
+
 from tqdm.auto import tqdm
 
 from jpaged import presets
@@ -7,11 +15,14 @@ from jpaged.engine import LLMEngine
 from jpaged.outputs import BeamSearchOutput, BeamSequence, RequestOutput
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
 
-_CACHE_KEYS = {"block_size", "num_kv_blocks", "kv_cache_memory_bytes", "memory_utilization",
-               "enable_prefix_caching", "preemption_mode", "swap_space_bytes", "allocator",
-               "share_forked_blocks"}
-_SCHEDULER_KEYS = {"max_num_seqs", "max_num_batched_tokens", "max_model_len"}
-_ENGINE_KEYS = {"dtype", "tensor_parallel_size", "data_parallel_size", "attention_backend", "seed", "compilation_cache_dir"}
+
+def _field_names(cls, *exclude) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)} - set(exclude)
+
+
+_CACHE_KEYS = _field_names(CacheConfig)
+_SCHEDULER_KEYS = _field_names(SchedulerConfig)
+_ENGINE_KEYS = _field_names(EngineConfig, "model", "cache", "scheduler")
 
 
 def engine_config(model: str | None = None, **kwargs) -> EngineConfig:
@@ -36,11 +47,12 @@ class LLM:
         else:
             self.llm_engine = LLMEngine(config)
         self._next_id = 0
+        self._lock = threading.Lock()
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> "LLM":
         llm = cls.__new__(cls)
-        llm.llm_engine, llm._next_id = engine, 0
+        llm.llm_engine, llm._next_id, llm._lock = engine, 0, threading.Lock()
         return llm
 
     @classmethod
@@ -91,11 +103,14 @@ class LLM:
         prompts = self._prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
+        elif isinstance(sampling_params, (list, tuple)):
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
-        return self._run(self._add_all(prompts, params), use_tqdm)
+        else:
+            raise ValueError(f"sampling_params: expected SamplingParams or a list of them, "
+                             f"got {type(sampling_params).__name__}")
+        return self._generate(prompts, params, use_tqdm)
 
     def chat(self, messages, sampling_params=None, *, chat_template: str | None = None,
              add_generation_prompt: bool = True, use_tqdm: bool = True) -> list[RequestOutput]:
@@ -121,10 +136,19 @@ class LLM:
         prompts = self._prompt_list(prompts)
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params: expected BeamSearchParams, got {type(params).__name__}")
-        outputs = self._run(self._add_all(prompts, [params] * len(prompts)), use_tqdm)
+        outputs = self._generate(prompts, [params] * len(prompts), use_tqdm)
         return [BeamSearchOutput(o.prompt_token_ids,
                                  [BeamSequence(c.token_ids, c.text, c.cumulative_logprob, c.score) for c in o.outputs])
                 for o in outputs]
+
+    def _generate(self, prompts, params, use_tqdm: bool) -> list[RequestOutput]:
+        with self._lock:
+            ids = self._add_all(prompts, params)
+            try:
+                return self._run(ids, use_tqdm)
+            finally:  # on an exception or an interrupt: nothing of this call stays queued
+                for request_id in ids:
+                    self.llm_engine.abort_request(request_id)
 
     def _add_all(self, prompts, params) -> list[str]:
         """Tokenizes and validates every prompt first (a bad one raises and nothing is queued), then queues."""
@@ -132,11 +156,11 @@ class LLM:
         tokenized = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
-                text, token_ids = engine.tokenize(prompt)
+                text, token_ids, salt = engine.tokenize(prompt)
                 engine.validate(token_ids, p)
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
-            tokenized.append({"prompt": text, "prompt_token_ids": token_ids})
+            tokenized.append({"prompt": text, "prompt_token_ids": token_ids, "cache_salt": salt})
         ids = []
         for prompt, p in zip(tokenized, params):
             ids.append(str(self._next_id))
@@ -148,13 +172,28 @@ class LLM:
         engine = self.llm_engine
         wanted = set(ids)
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm or len(ids) < 2)
+        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm or len(ids) < 2)
+        start, num_generated, seen = time.perf_counter(), 0, {}
+        last_refresh, idle_steps = start, 0
         while len(done) < len(ids):
             if not engine.has_unfinished_requests():
                 raise RuntimeError("engine stopped with requests unfinished")
-            for out in engine.step():
-                if out.finished and out.request_id in wanted:
+            outputs = engine.step()
+            idle_steps = 0 if outputs else idle_steps + 1
+            if idle_steps > 100:  # a scheduler bug, never a user's: fail loudly rather than spin
+                raise RuntimeError("the engine made no progress in 100 steps")
+            for out in outputs:
+                if out.request_id not in wanted:
+                    continue
+                count = sum(len(c.token_ids) for c in out.outputs)
+                num_generated += count - seen.get(out.request_id, 0)
+                seen[out.request_id] = count
+                if out.finished:
                     done[out.request_id] = out
                     bar.update(1)
+            now = time.perf_counter()
+            if now - last_refresh > 0.5:
+                bar.set_postfix_str(f"{num_generated} tokens, {num_generated / (now - start):.1f} tok/s")
+                last_refresh = now
         bar.close()
         return [done[i] for i in ids]

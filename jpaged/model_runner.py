@@ -16,16 +16,16 @@ import pallas_kernels
 
 from jpaged import prompt_logprobs, sharding
 from jpaged.attention import attention_backend_of, make_attention_metadata
-from jpaged.core.kv_cache_manager import KVCacheManager
 from jpaged.core.scheduler import SchedulerOutput
 from jpaged.sampler import sample
 from jpaged.sampling_batch import build_sampling_tensors
+from jpaged.utils import next_power_of_two
 
 
 def bucket(n: int, minimum: int = 1) -> int:
     """The smallest power of two >= max(n, minimum); 0 stays 0 when minimum is 0."""
     n = max(n, minimum)
-    return 0 if n == 0 else 1 << (n - 1).bit_length()
+    return 0 if n == 0 else next_power_of_two(n)
 
 
 def _padded_ids(values: list[int], minimum: int, fill: int = -1) -> np.ndarray:
@@ -43,27 +43,14 @@ def _pad(rows: list, width: int, fill: int) -> np.ndarray:
 
 
 @dataclasses.dataclass
-class SampleRow:
-    """One row of logits to sample from: the sequence, and which of its request's samples it is.
-
-    The first sampling step of a request with ``n > 1`` has n rows on the one prompt sequence; the
-    engine then forks the sequence so each sample continues on its own.
-    """
-
-    request: object
-    seq: object
-    sample_index: int
-
-
-@dataclasses.dataclass
 class StepResult:
-    """Sampled tokens, one per sample row."""
+    """Sampled tokens, one per sample row of the step."""
 
-    rows: list[SampleRow]
     tokens: np.ndarray
     logprobs: np.ndarray
     top_ids: np.ndarray
     top_logprobs: np.ndarray
+    prompt_logprobs: tuple | None = None  # (target logprobs, top ids, top logprobs) per prompt row
 
 
 def _gather_blocks(kv_caches, blocks):
@@ -86,40 +73,69 @@ def _copy_blocks(kv_caches, src, dst):
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: KVCacheManager, *, num_blocks: int, dtype, mesh, seed: int = 0):
+    """Owns the device side: parameters, the KV pool, and the jitted functions that use them.
+
+    ``execute(scheduler_output)`` reads only the output's plain data (tokens, positions, block
+    tables, copies, swaps, sample rows), never the scheduler or the KV cache manager.
+    """
+
+    def __init__(self, model, *, num_blocks: int, block_size: int, dtype, mesh, seed: int = 0):
         self.config = model.config
         self.mesh = mesh
         self.attention_backend = attention_backend_of(model)
         graphdef, state = nnx.split(model)
         self.graphdef, self.state = graphdef, sharding.shard_state(state, mesh)
-        self.kv_cache_manager = kv_cache
-        self.block_size = kv_cache.block_size
+        self.block_size = block_size
+        self.num_blocks, self.dtype = num_blocks, dtype
         self.seed = seed
-        c = self.config
-        shape = (c.num_kv_heads, num_blocks, self.block_size, c.head_dim)
-        pool = sharding.kv_pool_sharding(mesh)
-        self.kv_caches = [(sharding.zeros_sharded(shape, dtype, pool), sharding.zeros_sharded(shape, dtype, pool))
-                          for _ in range(c.num_layers)]
+        self.kv_caches = self._new_kv_pool()
         replicated = NamedSharding(mesh, P())
-        self._step = jax.jit(self._step_fn, donate_argnums=(1,),
-                             out_shardings=(replicated, jax.tree.map(lambda _: pool, self.kv_caches)))
+        pool = sharding.kv_pool_sharding(mesh)
+        self._forward = jax.jit(self._forward_fn, donate_argnums=(1,),
+                                out_shardings=(replicated, jax.tree.map(lambda _: pool, self.kv_caches)))
+        self._sample = jax.jit(sample)
         self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
         self._gather = jax.jit(_gather_blocks, out_shardings=replicated)
         self._scatter = jax.jit(_scatter_blocks, donate_argnums=(0,))
         self.host_blocks: dict[int, np.ndarray] = {}  # seq_id -> swapped-out blocks (host memory)
+        self._signatures: set = set()  # distinct argument shapes seen by each jitted function
+
+    def _new_kv_pool(self):
+        c = self.config
+        shape = (c.num_kv_heads, self.num_blocks, self.block_size, c.head_dim)
+        pool = sharding.kv_pool_sharding(self.mesh)
+        return [(sharding.zeros_sharded(shape, self.dtype, pool), sharding.zeros_sharded(shape, self.dtype, pool))
+                for _ in range(c.num_layers)]
+
+    def kv_pool_lost(self) -> bool:
+        """Whether a failed step consumed the donated pool (then `reset_kv_pool` makes a new one)."""
+        return any(k.is_deleted() or v.is_deleted() for k, v in self.kv_caches)
+
+    def reset_kv_pool(self) -> None:
+        self.kv_caches = self._new_kv_pool()
+        self.host_blocks.clear()
 
     @property
     def num_compilations(self) -> int:
-        return self._step._cache_size() + self._copy._cache_size()
+        """Distinct argument shapes the jitted step, sampler and block copy have been called with:
+        each is one compilation (or one load from the persistent compilation cache)."""
+        return len(self._signatures)
 
-    def _step_fn(self, state, kv_caches, input_ids, md, logits_indices, sampling, prompt_lp=None):
+    def _call(self, name: str, fn, *args, num_fixed: int = 0):
+        """``fn(*args)``, noting the shapes of the arguments after the first ``num_fixed`` (whose
+        shapes never change: parameters, the pool)."""
+        leaves, treedef = jax.tree.flatten(args[num_fixed:])
+        self._signatures.add((name, treedef, tuple((np.shape(x), str(getattr(x, "dtype", type(x)))) for x in leaves)))
+        return fn(*args)
+
+    def _forward_fn(self, state, kv_caches, input_ids, md, logits_indices, prompt_lp=None):
+        """Logits of the sampled rows (and the prompt-logprob rows' results, when asked for)."""
         model = nnx.merge(self.graphdef, state)
         hidden, kv_caches = model(input_ids, md.positions, kv_caches, md)
-        logits = model.compute_logits(hidden[logits_indices])
-        out = sample(logits, sampling)
+        prompt_out = None
         if prompt_lp is not None:
-            out = out + prompt_logprobs.compute(model.compute_logits(hidden[prompt_lp.indices]), prompt_lp)
-        return out, kv_caches
+            prompt_out = prompt_logprobs.compute(model.compute_logits(hidden[prompt_lp.indices]), prompt_lp)
+        return (model.compute_logits(hidden[logits_indices]), prompt_out), kv_caches
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """All copy-on-write copies of one step, in one call."""
@@ -127,7 +143,7 @@ class ModelRunner:
             return
         src, dst = (_padded_ids(list(ids), 4) for ids in zip(*copies))
         with jax.set_mesh(self.mesh):
-            self.kv_caches = self._copy(self.kv_caches, src, dst)
+            self.kv_caches = self._call("copy", self._copy, self.kv_caches, src, dst, num_fixed=1)
 
     def swap_out(self, swaps: list[tuple[int, list[int]]]) -> None:
         """Copies preempted sequences' blocks to host memory (one device -> host transfer)."""
@@ -153,54 +169,38 @@ class ModelRunner:
         for seq_id in seq_ids:
             self.host_blocks.pop(seq_id, None)
 
-    def execute(self, sched: SchedulerOutput) -> StepResult:
-        self.swap_out(sched.swap_out)  # before anything this step writes into the freed blocks
-        self.swap_in(sched.swap_in)
-        self.copy_blocks(sched.block_copies)
-        rows, batch = self.prepare(sched)
-        sampling = build_sampling_tensors(rows, batch["logits_indices"].shape[0], self.seed)
-        prompt_rows, prompt_targets = batch["prompt_rows"]
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        self.swap_out(out.swap_out)  # before anything this step writes into the freed blocks
+        self.swap_in(out.swap_in)
+        self.copy_blocks(out.block_copies)
+        input_ids, md, logits_indices, prompt_lp = self.prepare(out)
+        rows = out.sample_rows
+        sampling = build_sampling_tensors(rows, logits_indices.shape[0], self.seed)
         with jax.set_mesh(self.mesh):
-            out, self.kv_caches = self._step(
-                self.state, self.kv_caches, batch["input_ids"], batch["md"], batch["logits_indices"], sampling,
-                batch["prompt_lp"])
-        tokens, logprobs, top_ids, top_lps = out[:4]
-        if prompt_rows:
-            prompt_logprobs.record(prompt_rows, prompt_targets, out[4:])
+            (logits, prompt_out), self.kv_caches = self._call(
+                "forward", self._forward, self.state, self.kv_caches, input_ids, md, logits_indices, prompt_lp,
+                num_fixed=2)
+            sampled = self._call("sample", self._sample, logits, sampling)
         n = len(rows)
-        return StepResult(rows, *(np.asarray(a)[:n] for a in (tokens, logprobs, top_ids, top_lps)))
+        return StepResult(*(np.asarray(a)[:n] for a in sampled),
+                          prompt_logprobs=None if prompt_out is None else tuple(np.asarray(a) for a in prompt_out))
 
-    def prepare(self, sched: SchedulerOutput):
+    def prepare(self, out: SchedulerOutput):
+        """The step's flat token batch, padded to power-of-two buckets, and its attention metadata."""
         bs = self.block_size
-        rows, input_ids, positions, slots, seq_lens, tables = [], [], [], [], [], []
-        sample_rows, logits_indices = [], []
-        prompt_rows, prompt_indices, prompt_targets = [], [], []  # prompt_logprobs
+        input_ids, positions, slots, seq_lens, tables = [], [], [], [], []
         query_start_loc = [0]
-        for sr in sched.scheduled:
-            for seq in sr.request.live_seqs:
-                start, n = seq.num_computed_tokens, sr.num_new_tokens
-                first = len(input_ids)
-                pos = np.arange(start, start + n)
-                table = self.kv_cache_manager.block_table(seq)
-                input_ids.extend(seq.token_ids[start:start + n])
-                positions.append(pos)
-                slots.append(np.asarray(table, np.int32)[pos // bs] * bs + pos % bs)
-                seq_lens.append(start + n)
-                tables.append(table)
-                query_start_loc.append(first + n)
-                rows.append((sr, seq))
-                for p in prompt_logprobs.wanted(sr.request, seq, start, n):
-                    prompt_rows.append((sr.request, p))
-                    prompt_indices.append(first + p - start)
-                    prompt_targets.append(seq.token_ids[p + 1])
-                if sr.samples:
-                    request = sr.request
-                    first_of_many = (request.beam is None and len(request.seqs) == 1
-                                     and request.sampling_params.n > 1)
-                    for index in range(request.sampling_params.n) if first_of_many else [seq.index]:
-                        sample_rows.append(SampleRow(request, seq, index))
-                        logits_indices.append(first + n - 1)
-        t, s = len(input_ids), len(rows)
+        for seq in out.seqs:
+            n = len(seq.token_ids)
+            pos = np.arange(seq.start, seq.start + n)
+            input_ids.extend(seq.token_ids)
+            positions.append(pos)
+            slots.append(np.asarray(seq.block_table, np.int32)[pos // bs] * bs + pos % bs)
+            seq_lens.append(seq.start + n)
+            tables.append(seq.block_table)
+            query_start_loc.append(query_start_loc[-1] + n)
+        logits_indices = [query_start_loc[r.seq_row + 1] - 1 for r in out.sample_rows]
+        t, s = len(input_ids), len(out.seqs)
         t_pad, s_pad = bucket(t, 16), bucket(s, 8)
         b_pad = bucket(max(len(tb) for tb in tables), 4)
         qsl = np.full(s_pad + 1, t, np.int32)
@@ -213,9 +213,11 @@ class ModelRunner:
             seq_lens=np.array(seq_lens + [0] * (s_pad - s), np.int32),
             block_tables=_pad(tables + [[]] * (s_pad - s), b_pad, 0),
             num_seqs=s)
-        padded_logits_indices = _padded_ids(logits_indices, 8, fill=0)
         ids = np.zeros(t_pad, np.int32)
         ids[:t] = input_ids
-        return sample_rows, {"input_ids": ids, "md": md, "logits_indices": padded_logits_indices,
-                             "prompt_lp": prompt_logprobs.build(prompt_rows, prompt_indices, prompt_targets),
-                             "prompt_rows": (prompt_rows, prompt_targets)}
+        rows = out.prompt_logprob_rows
+        prompt_lp = prompt_logprobs.build(
+            [(r.request, r.position) for r in rows],
+            [query_start_loc[r.seq_row] + r.position - out.seqs[r.seq_row].start for r in rows],
+            [r.target for r in rows])
+        return ids, md, _padded_ids(logits_indices, 8, fill=0), prompt_lp

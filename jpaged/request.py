@@ -1,17 +1,11 @@
-"""A request and its sequences: token ids, how many are computed, status."""
-import enum
+"""A request and its sequences: token ids, how many are computed, how they ended."""
+import copy
 import itertools
 import time
 from dataclasses import dataclass, field
 
 from jpaged.outputs import RequestMetrics
 from jpaged.sampling_params import SamplingParams
-
-
-class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
 
 
 _seq_ids = itertools.count()
@@ -34,6 +28,7 @@ class Sequence:
     text: str = ""
     block_hashes: list[int] = field(default_factory=list)  # prefix-cache keys of its full blocks
     structured: object | None = None     # structured_output.StructuredState of a constrained request
+    detokenizer: object | None = None    # its IncrementalDetokenizer (the engine's), once it has output
 
     @property
     def num_tokens(self) -> int:
@@ -58,7 +53,17 @@ class Sequence:
                         cumulative_logprob=self.cumulative_logprob,
                         logprobs=None if self.logprobs is None else list(self.logprobs),
                         text=self.text, block_hashes=list(self.block_hashes),
-                        structured=None if self.structured is None else self.structured.fork())
+                        structured=None if self.structured is None else self.structured.fork(),
+                        detokenizer=copy.copy(self.detokenizer))
+
+    def append_token(self, token: int, logprob: float, top_ids, top_logprobs, num_logprobs: int | None) -> None:
+        """A sampled token, its log-probability and (when asked for) the top ``num_logprobs``."""
+        self.token_ids.append(token)
+        self.cumulative_logprob += logprob
+        if num_logprobs is not None:
+            entry = {token: logprob}
+            entry.update({int(t): float(lp) for t, lp in zip(top_ids[:num_logprobs], top_logprobs[:num_logprobs])})
+            self.logprobs = (self.logprobs or []) + [entry]
 
 
 @dataclass(eq=False)
@@ -69,11 +74,9 @@ class Request:
     prompt: str | None
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    arrival: int
     eos_token_ids: tuple[int, ...] = ()
     cache_salt: str | None = None
     seqs: list[Sequence] = field(default_factory=list)
-    status: RequestStatus = RequestStatus.WAITING
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     beam: object | None = None  # a beam_search.BeamState for beam-search requests
@@ -96,8 +99,3 @@ class Request:
         if self.beam is not None:
             return self.beam.done
         return all(s.finished for s in self.seqs)
-
-    @property
-    def in_prefill(self) -> bool:
-        """True until the prompt is fully computed (parallel samples fork after that)."""
-        return len(self.seqs) == 1 and self.seqs[0].num_computed_tokens < self.seqs[0].num_prompt_tokens

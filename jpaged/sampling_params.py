@@ -131,6 +131,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # keep a stop string (or a stop token's text) in .text
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -178,7 +179,7 @@ class SamplingParams:
         check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "must be non-negative token ids")
         check(self.seed is None or _is_int(self.seed), "seed", "must be an int or None")
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             check(isinstance(getattr(self, name), bool), name, "must be a bool")
         check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
             _is_int(k) and k >= 0 and _is_real(v) and -100 <= v <= 100 for k, v in self.logit_bias.items())),
@@ -220,10 +221,6 @@ class SamplingParams:
             self._grammar = structured_output.compile_grammar(self.structured_outputs, tokenizer, vocab_size)
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
     def uses_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
@@ -250,6 +247,9 @@ class BeamSearchParams:
     length_penalty: float = 1.0
 
     def __post_init__(self):
+        self.validate()
+
+    def validate(self):
         if not (_is_int(self.beam_width) and self.beam_width >= 1):
             raise ValueError(f"BeamSearchParams.beam_width={self.beam_width!r}: must be an integer >= 1")
         if not (_is_int(self.max_tokens) and self.max_tokens >= 1):

@@ -90,11 +90,11 @@ def simulate(allocator: str, prompts, output_lens, *, num_kv_blocks: int, block_
     """Replays the workload through the scheduler; slot classes summed over loaded steps, and stats."""
     kv = make_kv_cache(allocator, num_kv_blocks, block_size, max_model_len)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                          max_model_len=max_model_len), kv)
+                                          max_model_len=max_model_len), kv, max_model_len=max_model_len)
     final_len = {}
     for i, (prompt, out) in enumerate(zip(prompts, output_lens)):
         out = min(out, max_model_len - len(prompt))
-        request = Request(str(i), None, list(prompt), SamplingParams(max_tokens=out, ignore_eos=True), i)
+        request = Request(str(i), None, list(prompt), SamplingParams(max_tokens=out, ignore_eos=True))
         seq = request.seqs[0]
         seq.max_tokens = out
         final_len[seq.seq_id] = len(prompt) + out
@@ -102,24 +102,16 @@ def simulate(allocator: str, prompts, output_lens, *, num_kv_blocks: int, block_
     totals, steps, batch, loaded_steps, loaded_batch = Counter(), 0, 0, 0, 0
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
-        if not out.scheduled:
+        if not out.requests:
             raise RuntimeError(f"{allocator}: the scheduler stalled (pool of {num_kv_blocks} blocks too small?)")
         steps += 1
-        batch += len(out.scheduled)
-        for sr in out.scheduled:
-            samples = sr.samples
-            for seq in sr.request.live_seqs:
-                seq.num_computed_tokens += sr.num_new_tokens
-                if samples:
-                    seq.token_ids.append(0)  # a synthetic token
-                    if seq.num_output_tokens >= seq.max_tokens:
-                        seq.finish_reason = "length"
-            if sr.request.finished:
-                scheduler.finish(sr.request)
+        batch += len(out.requests)
+        n = len(out.sample_rows)  # every sample row draws the synthetic token 0
+        scheduler.update_from_output(out, [0] * n, [0.0] * n, [[]] * n, [[]] * n)
         if scheduler.waiting:
             totals += classify(kv, scheduler, final_len)
             loaded_steps += 1
-            loaded_batch += len(out.scheduled)
+            loaded_batch += len(out.requests)
     kv.pool.check_invariants()
     assert kv.pool.num_free_blocks == num_kv_blocks, "every block must be back after the drain"
     return {"slots": totals, "steps": steps, "mean_batch": batch / max(steps, 1),

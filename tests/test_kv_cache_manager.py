@@ -3,7 +3,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jpaged.core.block_pool import BlockPool
-from jpaged.core.kv_cache_manager import KVCacheManager, cdiv
+from jpaged.core.kv_cache_manager import KVCacheManager
+from jpaged.utils import cdiv
 from jpaged.request import Sequence
 
 
@@ -32,24 +33,23 @@ def test_random_operations_keep_invariants(ops, block_size, num_blocks, prefix):
     for op, pick, n in ops:
         if op == "add":
             seq = Sequence(token_ids=[pick % 7] * n, num_prompt_tokens=n)
-            manager.match_prefix(seq)
-            todo = seq.num_tokens - seq.num_computed_tokens
-            if manager.can_allocate([seq], todo):
-                manager.allocate(seq, todo)
+            cached = manager.find_cached_blocks(seq)
+            todo = seq.num_tokens - len(cached) * block_size
+            used_before = manager.pool.num_used_blocks
+            if manager.allocate_slots([seq], todo, [cached]) is not None:
                 seq.num_computed_tokens += todo
-                manager.cache_full_blocks(seq)
                 live.append(seq)
-            else:
-                manager.free(seq)
-                seq.num_computed_tokens = 0
+            else:  # all or nothing: a refused allocation changes nothing
+                assert manager.pool.num_used_blocks == used_before and not manager.block_table(seq)
+                assert seq.num_computed_tokens == 0
         elif live:
             seq = live[pick % len(live)]
             if op == "append":
-                if manager.can_allocate([seq], 1):
-                    manager.allocate(seq, 1)
-                    seq.token_ids.append(pick % 5)
+                seq.token_ids.append(pick % 5)
+                if manager.allocate_slots([seq], 1) is not None:
                     seq.num_computed_tokens += 1
-                    manager.cache_full_blocks(seq)
+                else:
+                    seq.token_ids.pop()
             elif op == "fork":
                 child = seq.fork(len(live))
                 manager.fork(seq, child)
@@ -68,16 +68,18 @@ def test_random_operations_keep_invariants(ops, block_size, num_blocks, prefix):
 def test_copy_on_write_copies_only_shared_partial_block():
     manager = KVCacheManager(10, 4, enable_prefix_caching=False)
     parent = Sequence(token_ids=list(range(6)), num_prompt_tokens=6)
-    manager.allocate(parent, 6)
+    manager.allocate_slots([parent], 6)
     parent.num_computed_tokens = 6
     child = parent.fork(1)
     manager.fork(parent, child)
     assert manager.pool.num_used_blocks == 2
-    manager.allocate(child, 1)  # writes into the shared, partly filled second block
+    child.token_ids.append(9)
+    manager.allocate_slots([child], 1)  # writes into the shared, partly filled second block
     copies = manager.take_pending_copies()
     assert copies == [(manager.block_table(parent)[1], manager.block_table(child)[1])]
     assert manager.block_table(parent)[0] == manager.block_table(child)[0]  # the full block stays shared
-    manager.allocate(parent, 1)  # the last holder writes in place
+    parent.token_ids.append(8)
+    manager.allocate_slots([parent], 1)  # the last holder writes in place
     assert manager.take_pending_copies() == []
 
 
@@ -97,9 +99,11 @@ def test_freed_cached_blocks_are_evicted_least_recently_used_first():
 def test_prefix_match_never_covers_the_last_token():
     manager = KVCacheManager(8, 4)
     first = Sequence(token_ids=list(range(8)), num_prompt_tokens=8)
-    manager.allocate(first, 8)
+    manager.allocate_slots([first], 8, [[]])  # registers both blocks: full once the step has run
     first.num_computed_tokens = 8
-    manager.cache_full_blocks(first)
     second = Sequence(token_ids=list(range(8)), num_prompt_tokens=8)
-    assert manager.match_prefix(second) == 4  # one block reused; the last block is recomputed
-    assert manager.prefix_cache_hits == 4
+    cached = manager.find_cached_blocks(second)
+    assert cached == manager.block_table(first)[:1]  # one block reused; the last block is recomputed
+    assert manager.prefix_cache_hits == 0            # finding is pure
+    manager.allocate_slots([second], 4, [cached])
+    assert second.num_computed_tokens == 4 and manager.prefix_cache_hits == 4

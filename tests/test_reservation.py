@@ -5,10 +5,11 @@ from hypothesis import strategies as st
 
 from jpaged.config import SchedulerConfig
 from jpaged.core.block_pool import NoFreeBlocksError
-from jpaged.core.reservation import ContiguousPool, ReservationKVCacheManager, next_pow2
+from jpaged.core.reservation import ContiguousPool, ReservationKVCacheManager
 from jpaged.core.scheduler import Scheduler
 from jpaged.request import Request, Sequence
 from jpaged.sampling_params import SamplingParams
+from jpaged.utils import next_power_of_two as next_pow2
 
 
 def seq(prompt: int, output: int | None) -> Sequence:
@@ -30,7 +31,7 @@ def test_reservation_sizes(mode, prompt, output, tokens):
     kv = ReservationKVCacheManager(64, 4, mode=mode, max_model_len=32)
     s = seq(prompt, output)
     assert kv.reservation_tokens(s) == tokens
-    assert kv.num_blocks_needed(s, prompt) == -(-tokens // 4)
+    assert kv.allocate_slots([s], prompt) == [list(range(-(-tokens // 4)))]
 
 
 def test_reservation_capped_at_pool():
@@ -43,8 +44,7 @@ def test_hand_made_trace_first_fit_and_external_fragmentation():
     kv = ReservationKVCacheManager(16, 4, mode="oracle", max_model_len=64)
     a, b, c, d, e = seq(5, 6), seq(8, 8), seq(2, 6), seq(10, 6), seq(2, 2)  # 3, 4, 2, 4, 1 blocks
     for s in (a, b, c):
-        assert kv.can_allocate([s], s.num_tokens)
-        kv.allocate(s, s.num_tokens)
+        assert kv.allocate_slots([s], s.num_tokens) is not None
     assert kv.reserved_blocks(a) == [0, 1, 2]
     assert kv.reserved_blocks(b) == [3, 4, 5, 6]
     assert kv.reserved_blocks(c) == [7, 8]
@@ -53,28 +53,30 @@ def test_hand_made_trace_first_fit_and_external_fragmentation():
     assert kv.block_table(a) == [0, 1] and kv.block_table(c) == [7]
     # later growth inside the reservation takes nothing from the pool
     a.num_computed_tokens = 5
-    assert kv.num_blocks_needed(a, 1) == 0 and kv.can_allocate([a], 1)
-    kv.allocate(a, 4)
+    assert kv.allocate_slots([a], 1) == [[]]  # nothing new
+    kv.allocate_slots([a], 4)
     assert kv.block_table(a) == [0, 1, 2] and kv.pool.num_free_blocks == 7
     with pytest.raises(RuntimeError, match="reserved"):
-        kv.allocate(a, 8)  # past the reservation: its max_tokens was wrong
+        kv.allocate_slots([a], 8)  # past the reservation: its max_tokens was wrong
     kv.free(a)
     assert kv.pool.free_runs == [[0, 3], [9, 7]]
-    kv.allocate(d, d.num_tokens)                 # first fit skips the 3-block hole
+    kv.allocate_slots([d], d.num_tokens)         # first fit skips the 3-block hole
     assert kv.reserved_blocks(d) == [9, 10, 11, 12]
-    kv.allocate(e, e.num_tokens)                 # a 1-block run goes into the first hole
+    kv.allocate_slots([e], e.num_tokens)         # a 1-block run goes into the first hole
     assert kv.reserved_blocks(e) == [0]
     # 5 free blocks in holes of 2 and 3: a 4-block request cannot come in, though 5 >= 4
     big = seq(8, 8)
-    assert kv.pool.num_free_blocks == 5 and not kv.can_allocate([big], 8)
+    assert kv.pool.num_free_blocks == 5 and kv.allocate_slots([big], 8) is None
     assert kv.external_fragmentation(big) == 5
     assert kv.external_fragmentation(seq(4, 4)) == 0   # 2 blocks fit the 2 and 3 holes
     assert kv.external_fragmentation(seq(4, 8)) == 2   # 3 blocks: only the 2-block hole strands
     assert kv.external_fragmentation(None) == 0
-    assert not kv.can_allocate([seq(4, 8), seq(4, 8)], 4)  # both need 3; only one 3-block hole
-    assert kv.can_allocate([seq(4, 8), seq(4, 4)], 4)      # 3 -> [1..3], 2 -> [13, 14]
+    assert kv.allocate_slots([seq(4, 8), seq(4, 8)], 4) is None  # both need 3; only one 3-block hole
+    assert kv.pool.num_free_blocks == 5                            # (all or nothing)
+    f, g = seq(4, 8), seq(4, 4)
+    assert kv.allocate_slots([f, g], 4) is not None               # 3 -> [1..3], 2 -> [13, 14]
     # freeing merges holes on both sides
-    for s in (b, c, d, e):
+    for s in (b, c, d, e, f, g):
         kv.free(s)
         kv.pool.check_invariants()
     assert kv.pool.free_runs == [[0, 16]]
@@ -83,14 +85,14 @@ def test_hand_made_trace_first_fit_and_external_fragmentation():
 def test_metrics_and_fork_copies():
     kv = ReservationKVCacheManager(16, 4, mode="pow2", max_model_len=64)
     s = seq(6, 5)  # 6 + 8 = 14 tokens -> 4 blocks
-    kv.allocate(s, 6)
+    kv.allocate_slots([s], 6)
     s.num_computed_tokens = 6
     assert kv.usage() == 4 / 16 and kv.utilization([s]) == 6 / 16
     child = seq(6, 5)
     kv.fork(s, child)
     assert kv.reserved_blocks(child) == [4, 5, 6, 7]
     assert kv.take_pending_copies() == [(0, 4), (1, 5)] and kv.take_pending_copies() == []
-    assert kv.match_prefix(seq(6, 5)) == 0
+    assert kv.find_cached_blocks(seq(6, 5)) == []
     kv.free(s)
     kv.free(child)
     kv.pool.check_invariants()
@@ -124,41 +126,34 @@ def test_contiguous_pool_invariants(ops, num_blocks):
 def test_scheduler_admits_by_contiguous_runs_and_never_preempts():
     """The real scheduler over the manager: admission waits for a hole, not for free blocks."""
     kv = ReservationKVCacheManager(12, 4, mode="oracle", max_model_len=64)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64), kv)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64), kv,
+                      max_model_len=64)
     lens = [(4, 4), (4, 12), (4, 4), (8, 8)]  # 2, 4, 2, 4 blocks
     reqs = []
     for i, (p, o) in enumerate(lens):
-        r = Request(str(i), None, [7] * p, SamplingParams(max_tokens=o, ignore_eos=True), i)
+        r = Request(str(i), None, [7] * p, SamplingParams(max_tokens=o, ignore_eos=True))
         r.seqs[0].max_tokens = o
         sched.add_request(r)
         reqs.append(r)
     out = sched.schedule()
-    assert [sr.request.request_id for sr in out.scheduled] == ["0", "1", "2", "3"]
+    assert [sr.request.request_id for sr in out.requests] == ["0", "1", "2", "3"]
     assert kv.pool.num_free_blocks == 0
-    admitted = set()
-    while sched.has_unfinished_requests():
-        out = sched.schedule()
-        for sr in out.scheduled:
-            s = sr.request.seqs[0]
-            samples = sr.samples
-            s.num_computed_tokens += sr.num_new_tokens
-            if samples:
-                s.token_ids.append(1)
-                if s.num_output_tokens >= s.max_tokens:
-                    s.finish_reason = "length"
-            if sr.request.finished:
-                sched.finish(sr.request)
-            admitted.add(sr.request.request_id)
+    while True:
+        update_with_token(sched, out, 1)
         kv.pool.check_invariants()
+        if not sched.has_unfinished_requests():
+            break
+        out = sched.schedule()
     assert sched.num_preemptions == 0 and kv.pool.num_free_blocks == 12
 
 
 def test_scheduler_blocks_on_external_fragmentation():
     kv = ReservationKVCacheManager(10, 4, mode="oracle", max_model_len=64)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64), kv)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64), kv,
+                      max_model_len=64)
 
     def add(i, p, o):
-        r = Request(str(i), None, [7] * p, SamplingParams(max_tokens=o, ignore_eos=True), i)
+        r = Request(str(i), None, [7] * p, SamplingParams(max_tokens=o, ignore_eos=True))
         r.seqs[0].max_tokens = o
         sched.add_request(r)
         return r
@@ -168,12 +163,18 @@ def test_scheduler_blocks_on_external_fragmentation():
     sched.finish(a)                                     # holes: 0-1 and 8-9 (4 free blocks)
     d = add(3, 8, 8)                                    # needs 4 contiguous
     out = sched.schedule()
-    assert d not in [sr.request for sr in out.scheduled] and list(sched.waiting) == [d]
+    assert d not in [sr.request for sr in out.requests] and list(sched.waiting) == [d]
     assert kv.pool.num_free_blocks == 4 and kv.external_fragmentation(d.seqs[0]) == 4
     sched.finish(c)                                     # 6-9 free now: it fits
     out = sched.schedule()
-    assert d in [sr.request for sr in out.scheduled] and kv.reserved_blocks(d.seqs[0]) == [6, 7, 8, 9]
+    assert d in [sr.request for sr in out.requests] and kv.reserved_blocks(d.seqs[0]) == [6, 7, 8, 9]
     del b
+
+
+def update_with_token(sched, out, token):
+    """Applies a step in which every sample row drew ``token``."""
+    n = len(out.sample_rows)
+    sched.update_from_output(out, [token] * n, [0.0] * n, [[]] * n, [[]] * n)
 
 
 def tiny_llama():

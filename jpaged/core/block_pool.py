@@ -19,7 +19,6 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.block_key: list[tuple | None] = [None] * num_blocks  # (hash, parent hash, tokens)
         self.cached: dict[int, int] = {}  # content hash -> block id
-        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -68,10 +67,14 @@ class BlockPool:
     def _forget(self, block: int) -> None:
         key = self.block_key[block]
         if key is not None:
-            self.num_evictions += 1
             if self.cached.get(key[0]) == block:
                 del self.cached[key[0]]
             self.block_key[block] = None
+
+    def forget_free_blocks(self) -> None:
+        """Drops the prefix-cache entries of every free block (their contents are not trusted)."""
+        for block in self.free_queue:
+            self._forget(block)
 
     def check_invariants(self) -> None:
         """For tests: every block is either free with ref 0 or used with ref > 0."""

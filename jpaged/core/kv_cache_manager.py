@@ -1,14 +1,46 @@
 """Block tables per sequence: allocate as tokens arrive, share by fork, copy on write, free.
 
 Nothing here touches the device. Copies that copy-on-write decides on are queued in
-``pending_copies`` and sent to the device in one batched ``copy_blocks`` call by the model runner.
+``pending_copies``; the scheduler hands them to the model runner with the step that needs them,
+which sends them to the device in one batched ``copy_blocks`` call.
+
+Two calls make up admission: ``find_cached_blocks`` (pure: which cached blocks a new sequence
+could reuse) and ``allocate_slots`` (atomic: takes the cached blocks and every new block a step
+needs, for all of a request's sequences, or changes nothing and returns None).
 """
+from typing import Protocol
+
 from jpaged.core.block_pool import BlockPool
 from jpaged.request import Sequence
+from jpaged.utils import cdiv
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+class KVCache(Protocol):
+    """What the scheduler and the engine need from a KV cache manager (paged, or the paper's
+    contiguous-reservation baselines in `reservation.py`)."""
+
+    block_size: int
+    pool: object
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+    def block_table(self, seq: Sequence) -> list[int]: ...
+
+    def find_cached_blocks(self, seq: Sequence, cache_salt: str | None) -> list[int]: ...
+
+    def allocate_slots(self, seqs: list[Sequence], num_new_tokens: int,
+                       cached_blocks: list[list[int]] | None = None,
+                       cache_salt: str | None = None) -> list[list[int]] | None: ...
+
+    def fork(self, parent: Sequence, child: Sequence) -> None: ...
+
+    def free(self, seq: Sequence) -> None: ...
+
+    def take_pending_copies(self) -> list[tuple[int, int]]: ...
+
+    def usage(self) -> float: ...
+
+    def utilization(self, seqs: list[Sequence]) -> float: ...
 
 
 class KVCacheManager:
@@ -20,40 +52,77 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.block_tables: dict[int, list[int]] = {}
         self.pending_copies: list[tuple[int, int]] = []  # (src block, dst block)
-        self.prefix_cache_queries = 0  # tokens looked up
-        self.prefix_cache_hits = 0     # tokens found
+        self.prefix_cache_queries = 0  # prompt tokens of admitted sequences
+        self.prefix_cache_hits = 0     # of those, tokens found in the cache
 
     def block_table(self, seq: Sequence) -> list[int]:
         return self.block_tables.get(seq.seq_id, [])
 
     # Allocation ---------------------------------------------------------------------------------
-    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        """New blocks for the next ``num_new_tokens`` tokens, a copy-on-write copy included."""
-        table = self.block_table(seq)
-        need = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(table)
-        if self._shared_block_written(seq, table, num_new_tokens) is not None:
+    def allocate_slots(self, seqs: list[Sequence], num_new_tokens: int,
+                       cached_blocks: list[list[int]] | None = None,
+                       cache_salt: str | None = None) -> list[list[int]] | None:
+        """Makes each sequence's table cover its next ``num_new_tokens`` slots, all or nothing.
+
+        ``cached_blocks`` (admission only, one list per sequence, from `find_cached_blocks`) become
+        the start of the tables; the sequences then count them as computed. A shared, partly
+        filled block about to be written is replaced by a copy (copy-on-write, queued). Blocks that
+        will be full once the step has run are registered in the prefix cache. Returns the newly
+        allocated blocks per sequence, or None (nothing changed) when the pool is short.
+        """
+        admitting = cached_blocks is not None
+        cached_blocks = cached_blocks or [[] for _ in seqs]
+        reviving = {b for blocks in cached_blocks for b in blocks if self.pool.ref_counts[b] == 0}
+        need = sum(self._num_new_blocks(s, len(c) * self.block_size, num_new_tokens)
+                   for s, c in zip(seqs, cached_blocks))
+        if need + len(reviving) > self.pool.num_free_blocks:
+            return None
+        new_blocks = []
+        for seq, cached in zip(seqs, cached_blocks):
+            if admitting:
+                self._admit(seq, cached)
+            new_blocks.append(self._grow(seq, num_new_tokens))
+            self._cache_full_blocks(seq, cache_salt, seq.num_computed_tokens + num_new_tokens)
+        return new_blocks
+
+    def _num_new_blocks(self, seq: Sequence, num_cached_tokens: int, num_new_tokens: int) -> int:
+        computed = seq.num_computed_tokens + num_cached_tokens
+        table_len = len(self.block_table(seq)) + num_cached_tokens // self.block_size
+        need = cdiv(computed + num_new_tokens, self.block_size) - table_len
+        if not num_cached_tokens and self._shared_block_written(seq, num_new_tokens) is not None:
             need += 1
         return max(need, 0)
 
-    def can_allocate(self, seqs: list[Sequence], num_new_tokens: int) -> bool:
-        need = sum(self.num_blocks_needed(s, num_new_tokens) for s in seqs)
-        return need <= self.pool.num_free_blocks
+    def _admit(self, seq: Sequence, cached: list[int]) -> None:
+        """A sequence with nothing computed starts from its cached blocks (maybe none)."""
+        assert seq.num_computed_tokens == 0 and not self.block_table(seq)
+        for block in cached:
+            self.pool.incref(block)
+        self.block_tables[seq.seq_id] = list(cached)
+        seq.block_hashes = [self.pool.block_key[b][0] for b in cached]
+        seq.num_computed_tokens = len(cached) * self.block_size
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += seq.num_computed_tokens
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Makes the table cover the next ``num_new_tokens`` slots (call ``can_allocate`` first)."""
+    def _grow(self, seq: Sequence, num_new_tokens: int) -> list[int]:
         table = self.block_tables.setdefault(seq.seq_id, [])
-        shared = self._shared_block_written(seq, table, num_new_tokens)
+        new = []
+        shared = self._shared_block_written(seq, num_new_tokens)
         if shared is not None:  # copy-on-write: the last writer keeps the original
-            src = table[shared]
-            dst = self.pool.allocate()
+            src, dst = table[shared], self.pool.allocate()
             self.pending_copies.append((src, dst))
             self.pool.decref(src)
             table[shared] = dst
+            new.append(dst)
         while len(table) < cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size):
             table.append(self.pool.allocate())
+            new.append(table[-1])
+        return new
 
-    def _shared_block_written(self, seq, table, num_new_tokens) -> int | None:
+    def _shared_block_written(self, seq: Sequence, num_new_tokens: int) -> int | None:
         """Index of a partly filled block that is shared and about to be written, if any."""
+        table = self.block_table(seq)
         first = seq.num_computed_tokens // self.block_size
         if num_new_tokens > 0 and first < len(table) and self.pool.ref_counts[table[first]] > 1:
             return first
@@ -87,19 +156,17 @@ class KVCacheManager:
     def _root_hash(self, cache_salt: str | None) -> int | None:
         return None if cache_salt is None else hash(("salt", cache_salt))
 
-    def match_prefix(self, seq: Sequence, cache_salt: str | None = None) -> int:
-        """Reuses the longest run of cached full blocks for a sequence with nothing computed.
+    def find_cached_blocks(self, seq: Sequence, cache_salt: str | None = None) -> list[int]:
+        """The longest run of cached full blocks that starts this sequence's tokens (changes nothing).
 
         The last token is always recomputed (its logits are needed), so at most
-        ``(num_tokens - 1) // block_size`` blocks are reused. Returns the cached token count.
+        ``(num_tokens - 1) // block_size`` blocks are found.
         """
-        assert seq.num_computed_tokens == 0 and seq.seq_id not in self.block_tables
         if not self.enable_prefix_caching:
-            return 0
+            return []
         bs, tokens = self.block_size, seq.token_ids
-        self.prefix_cache_queries += len(tokens)
         parent = self._root_hash(cache_salt)
-        blocks, hashes = [], []
+        blocks = []
         for i in range((len(tokens) - 1) // bs):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             block_hash = hash((parent, chunk))
@@ -107,28 +174,19 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-            hashes.append(block_hash)
             parent = block_hash
-        for block in blocks:
-            self.pool.incref(block)
-        self.block_tables[seq.seq_id] = blocks
-        seq.block_hashes = hashes
-        seq.num_computed_tokens = len(blocks) * bs
-        self.prefix_cache_hits += seq.num_computed_tokens
-        return seq.num_computed_tokens
+        return blocks
 
-    def cache_full_blocks(self, seq: Sequence, cache_salt: str | None = None, num_tokens: int | None = None) -> None:
-        """Registers the sequence's newly full blocks in the prefix cache.
+    def _cache_full_blocks(self, seq: Sequence, cache_salt: str | None, num_tokens: int) -> None:
+        """Registers the blocks that hold ``num_tokens`` tokens once this step has run.
 
-        ``num_tokens`` (default: the computed ones) is how many tokens will be in the cache once the
-        step being scheduled has run. Registering at schedule time is safe: a request that reuses
-        such a block in the same step reads it only after the step's layer has written it (each
-        layer writes the K/V of every token in the batch before any of them attends).
+        Registering at schedule time is safe: a request that reuses such a block in the same step
+        reads it only after the step's layer has written it (each layer writes the K/V of every
+        token in the batch before any of them attends).
         """
         if not self.enable_prefix_caching:
             return
         bs, table = self.block_size, self.block_table(seq)
-        num_tokens = seq.num_computed_tokens if num_tokens is None else num_tokens
         for i in range(len(seq.block_hashes), num_tokens // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else self._root_hash(cache_salt)
             chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])

@@ -25,15 +25,10 @@ consecutive: the attention kernel reads exactly what a contiguous kernel would, 
 import bisect
 
 from jpaged.core.block_pool import NoFreeBlocksError
-from jpaged.core.kv_cache_manager import cdiv
 from jpaged.request import Sequence
+from jpaged.utils import cdiv, next_power_of_two
 
 MODES = ("max", "pow2", "oracle")
-
-
-def next_pow2(n: int) -> int:
-    """The smallest power of two >= n (1 for n <= 1)."""
-    return 1 << max(0, n - 1).bit_length()
 
 
 class ContiguousPool:
@@ -142,7 +137,7 @@ class ReservationKVCacheManager:
         if self.mode == "max":
             total = limit
         elif self.mode == "pow2":
-            total = prompt + next_pow2(output)
+            total = prompt + next_power_of_two(output)
         else:
             total = prompt + output
         return max(min(total, limit), seq.num_tokens)
@@ -164,32 +159,34 @@ class ReservationKVCacheManager:
         res = self.reservations.get(seq.seq_id)
         return [] if res is None else list(range(res[0], res[0] + res[1]))
 
-    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        res = self.reservations.get(seq.seq_id)
-        if res is None:
-            return self.reservation_blocks(seq)
-        return max(0, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - res[1])
+    def allocate_slots(self, seqs: list[Sequence], num_new_tokens: int,
+                       cached_blocks: list[list[int]] | None = None,
+                       cache_salt: str | None = None) -> list[list[int]] | None:
+        """Reserves each new sequence's run (first fit), all or nothing; None when one does not fit.
 
-    def can_allocate(self, seqs: list[Sequence], num_new_tokens: int) -> bool:
-        """Whether first fit finds a run for each sequence not yet admitted.
-
-        A sequence already admitted always can: its reservation covers its whole output
-        (``allocate`` raises if it does not, which only a wrong ``max_tokens`` causes).
+        A sequence already admitted takes nothing more: its reservation covers its whole output
+        (this raises if it does not, which only a wrong ``max_tokens`` causes).
         """
-        return self.pool.fits([self.reservation_blocks(s) for s in seqs if s.seq_id not in self.reservations])
-
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Reserves the sequence's run on first call; later calls take nothing from the pool."""
-        if seq.seq_id not in self.reservations:
-            length = self.reservation_blocks(seq)
-            self.reservations[seq.seq_id] = (self.pool.allocate(length), length)
-            self.num_slots_touched[seq.seq_id] = 0
-        need = seq.num_computed_tokens + num_new_tokens
-        if cdiv(need, self.block_size) > self.reservations[seq.seq_id][1]:
-            raise RuntimeError(f"sequence {seq.seq_id} needs {need} slots but reserved "
-                               f"{self.reservations[seq.seq_id][1] * self.block_size} ({self.mode}); "
-                               f"its max_tokens ({seq.max_tokens}) was not its true output length")
-        self.num_slots_touched[seq.seq_id] = max(self.num_slots_touched[seq.seq_id], need)
+        new = [s for s in seqs if s.seq_id not in self.reservations]
+        if not self.pool.fits([self.reservation_blocks(s) for s in new]):
+            return None
+        new_blocks = []
+        for seq in seqs:
+            if seq.seq_id not in self.reservations:
+                length = self.reservation_blocks(seq)
+                start = self.pool.allocate(length)
+                self.reservations[seq.seq_id] = (start, length)
+                self.num_slots_touched[seq.seq_id] = 0
+                new_blocks.append(list(range(start, start + length)))
+            else:
+                new_blocks.append([])
+            need = seq.num_computed_tokens + num_new_tokens
+            if cdiv(need, self.block_size) > self.reservations[seq.seq_id][1]:
+                raise RuntimeError(f"sequence {seq.seq_id} needs {need} slots but reserved "
+                                   f"{self.reservations[seq.seq_id][1] * self.block_size} ({self.mode}); "
+                                   f"its max_tokens ({seq.max_tokens}) was not its true output length")
+            self.num_slots_touched[seq.seq_id] = max(self.num_slots_touched[seq.seq_id], need)
+        return new_blocks
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child gets its own run of the parent's size and a copy of its blocks (no sharing).
@@ -214,11 +211,8 @@ class ReservationKVCacheManager:
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
-    def match_prefix(self, seq: Sequence, cache_salt: str | None = None) -> int:
-        return 0  # no prefix caching: contiguous per-request buffers cannot share
-
-    def cache_full_blocks(self, seq: Sequence, cache_salt: str | None = None, num_tokens: int | None = None) -> None:
-        pass  # nothing is cached
+    def find_cached_blocks(self, seq: Sequence, cache_salt: str | None = None) -> list[int]:
+        return []  # no prefix caching: contiguous per-request buffers cannot share
 
     # Metrics --------------------------------------------------------------------------------------------
     def usage(self) -> float:
