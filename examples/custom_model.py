@@ -32,7 +32,7 @@ from flax import nnx
 from jpaged import LLM, SamplingParams
 from jpaged.attention import AttentionMetadata, PagedAttention
 from jpaged.models import ModelConfig
-from jpaged.models.llama import RMSNorm, apply_rope, rope_inv_freq
+from jpaged.models.layers import RMSNorm, apply_rope, rope_inv_freq
 from jpaged.models.training import greedy_generate
 
 

@@ -1,6 +1,10 @@
 """Engine settings as dataclasses, each validated once at construction."""
 from dataclasses import dataclass, field
 
+import jax.numpy as jnp
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}  # by EngineConfig.dtype name
+
 
 def _fail(cls, name, value, why):
     raise ValueError(f"{cls}.{name}={value!r}: {why}")

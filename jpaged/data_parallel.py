@@ -5,10 +5,34 @@ A new request goes to the replica with the fewest tokens still to process; ``ste
 every replica that has work. On one host the replicas run one after another (JAX dispatch is
 asynchronous, so their device work overlaps on accelerators).
 """
+from typing import Protocol
+
 import jax
 
 from jpaged.config import EngineConfig
 from jpaged.engine import LLMEngine
+from jpaged.outputs import RequestOutput
+
+
+class Engine(Protocol):
+    """What `LLM`, the async front and the server need from an engine: `LLMEngine` or
+    `DataParallelEngine`."""
+
+    tokenizer: object
+
+    def tokenize(self, prompt) -> tuple: ...
+
+    def validate(self, prompt_token_ids: list[int], params) -> None: ...
+
+    def add_request(self, request_id: str, prompt, sampling_params=None, **kwargs): ...
+
+    def abort_request(self, request_id: str) -> RequestOutput | None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def get_metrics(self) -> dict: ...
 
 
 class DataParallelEngine:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jpaged import beam_search, sharding
-from jpaged.config import EngineConfig
+from jpaged.config import DTYPES, EngineConfig
 from jpaged.core.kv_cache_manager import KVCacheManager
 from jpaged.core.scheduler import SampleRow, Scheduler, SchedulerOutput, ScheduledSeq
 from jpaged.detokenizer import IncrementalDetokenizer
@@ -33,9 +33,6 @@ if not logger.handlers:  # one line per event on stderr, as vLLM prints its star
     logger.addHandler(_handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
 
 def enable_compilation_cache(path: str | None) -> None:
     """JAX's persistent compilation cache, so a second start compiles nothing."""

@@ -17,6 +17,7 @@ import sys  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from jpaged import SamplingParams, presets  # noqa: E402  (no JAX import yet: checking flags stays fast)
+from jpaged.entrypoints.engine_flags import ENGINE_FLAGS, define_engine_flags  # noqa: E402
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
@@ -26,8 +27,6 @@ DEFAULT_PROMPTS = [
 ]
 
 F = flags.FLAGS
-flags.DEFINE_string("model", None, "HF directory, .gguf file or preset; default: embedded SmolLM2-135M-Instruct")
-flags.DEFINE_string("config", None, "Preset name or .json file (model + engine settings); --model and flags override it")
 flags.DEFINE_multi_string("prompt", [], "A prompt (repeat for a batch)")
 flags.DEFINE_string("prompts_file", None, "A file with one prompt per line")
 flags.DEFINE_bool("chat", True, "Wrap prompts in the tokenizer's chat template when it has one")
@@ -47,22 +46,7 @@ flags.DEFINE_integer("logprobs", None, "Top log-probabilities to return per toke
 flags.DEFINE_float("presence_penalty", 0.0, "Presence penalty")
 flags.DEFINE_float("frequency_penalty", 0.0, "Frequency penalty")
 flags.DEFINE_float("repetition_penalty", 1.0, "Repetition penalty")
-# Engine (None = the preset's or the engine's default)
-flags.DEFINE_enum("dtype", None, ["auto", "float32", "bfloat16", "float16"], "Weights and KV cache dtype")
-flags.DEFINE_integer("block_size", None, "Tokens per KV block")
-flags.DEFINE_integer("num_kv_blocks", None, "KV pool size in blocks")
-flags.DEFINE_integer("kv_cache_memory_bytes", None, "KV pool size in bytes")
-flags.DEFINE_integer("max_num_seqs", None, "Sequences per step")
-flags.DEFINE_integer("max_num_batched_tokens", None, "Tokens per step")
-flags.DEFINE_integer("max_model_len", None, "Longest prompt + output")
-flags.DEFINE_bool("enable_prefix_caching", None, "Automatic prefix caching")
-flags.DEFINE_enum("preemption_mode", None, ["recompute", "swap"], "How to preempt when the pool is full")
-flags.DEFINE_integer("tensor_parallel_size", None, "Devices to shard attention heads over")
-flags.DEFINE_enum("attention_backend", None, ["auto", "pallas", "xla"], "Attention implementation")
-
-ENGINE_FLAGS = ["dtype", "block_size", "num_kv_blocks", "kv_cache_memory_bytes", "max_num_seqs",
-                "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "preemption_mode",
-                "tensor_parallel_size", "attention_backend"]
+define_engine_flags()  # --model, --config and every engine setting (None = the preset's or the default)
 
 
 def fail(message) -> None:
@@ -155,13 +139,11 @@ def main(argv):
         engine_config(model, **engine_kwargs)  # every engine setting valid; loads nothing
         llm = LLM(model, **engine_kwargs)
         tokenizer = llm.get_tokenizer()
-        if F.chat and tokenizer is not None and tokenizer.chat_template:
-            inputs = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                    tokenize=False) for p in prompts]
-        else:
-            inputs = prompts
         start = time.perf_counter()
-        outputs = llm.generate(inputs, params, use_tqdm=True)
+        if F.chat and tokenizer is not None and tokenizer.chat_template:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=True)
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=True)
         elapsed = time.perf_counter() - start
     except (ValueError, OSError) as e:  # bad input, a missing or corrupt file
         fail(e)

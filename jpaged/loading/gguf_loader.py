@@ -14,7 +14,7 @@ Two llama.cpp conventions are undone:
 1. Tensor names (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``).
 2. For the ``llama`` architecture, ``convert_hf_to_gguf.py`` permutes the rows of ``q_proj`` and
    ``k_proj`` inside each head, from HF's "rotate half" rope layout (pairs ``(j, j + d/2)``) to
-   GGML's interleaved one (pairs ``(2j, 2j + 1)``).  :func:`unpermute_qk` inverts it.  Qwen2/Qwen3
+   GGML's interleaved one (pairs ``(2j, 2j + 1)``).  :func:`unpermute_qk` inverts it.  Qwen2
    are converted without that permutation (llama.cpp runs them with "NEOX" rope), so nothing is
    undone there.
 
@@ -43,7 +43,6 @@ _ARCHS = {
     "llama": ("llama", "LlamaForCausalLM"),
     "mistral": ("mistral", "MistralForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
 }
 # Architectures whose q/k rows llama.cpp's converter permuted (see module docstring).
 _PERMUTED_QK = {"llama", "mistral"}
@@ -374,7 +373,7 @@ def load_gguf(path: str, dtype=np.float32):
     """Load a GGUF file as ``(hf_config, weights, tokenizer)``.
 
     Args:
-        path: a ``.gguf`` file (llama / mistral / qwen2 / qwen3 architectures).
+        path: a ``.gguf`` file (llama / mistral / qwen2 architectures).
         dtype: numpy dtype of the returned weights (e.g. ``np.float32``, ``ml_dtypes.bfloat16``).
 
     Returns:

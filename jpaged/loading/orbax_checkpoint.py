@@ -33,13 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jpaged.config import DTYPES
 from jpaged.loading.hf_checkpoint import model_config, read_json
 from jpaged.models import MODEL_REGISTRY, ModelConfig
 
 FORMAT, VERSION = "jpaged-orbax", 1
 MARKER = "jpaged_checkpoint.json"
 STATE_DIR = "state"
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 def is_orbax_checkpoint(path: str) -> bool:
@@ -161,7 +161,7 @@ def load_checkpoint(path: str, *, dtype=None, attention_backend: str = "xla", mo
     marker, config = read_manifest(path)
     if dtype is None:
         dtype = marker.get("param_dtype") or "float32"
-    dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     cls = model_cls or _model_class(marker, config, path)
     model = nnx.eval_shape(lambda: cls(config, dtype=dtype, attention_backend=attention_backend,
                                        rngs=nnx.Rngs(0)))

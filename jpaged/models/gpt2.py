@@ -11,46 +11,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jpaged.attention import AttentionMetadata, PagedAttention
-from jpaged.models.llama import linear
+from jpaged.models.layers import LayerNorm, activation, linear, run_layers, tied_or_head_logits
 from jpaged.models.model_config import ModelConfig
-
-ACTIVATIONS = {
-    "relu": jax.nn.relu,
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),          # tanh approximation
-    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
-    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
-    "silu": jax.nn.silu,
-    "swish": jax.nn.silu,
-}
-
-
-def activation(name: str):
-    try:
-        return ACTIVATIONS[name]
-    except KeyError:
-        raise ValueError(f"activation_function {name!r} is not supported; "
-                         f"supported: {sorted(ACTIVATIONS)}") from None
-
-
-class LayerNorm(nnx.Module):
-    """``torch.nn.LayerNorm`` (statistics in float32); ``affine=False`` has no weight or bias."""
-
-    def __init__(self, dim: int, eps: float, dtype, affine: bool = True):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype)) if affine else None
-        self.bias = nnx.Param(jnp.zeros((dim,), dtype)) if affine else None
-        self.eps = eps
-
-    def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        mean = jnp.mean(x32, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
-        y = ((x32 - mean) * jax.lax.rsqrt(var + self.eps)).astype(x.dtype)
-        if self.weight is None:
-            return y
-        return y * self.weight[...] + self.bias[...]
-
 
 class GPT2Attention(nnx.Module):
     def __init__(self, c: ModelConfig, layer_idx: int, dtype, backend: str, rngs: nnx.Rngs):
@@ -117,16 +79,11 @@ class GPT2LMHeadModel(nnx.Module):
 
     def __call__(self, input_ids, positions, kv_caches, md: AttentionMetadata):
         x = self.wte(input_ids) + self.wpe(positions)
-        new_caches = []
-        for block, kv_cache in zip(self.h, kv_caches):
-            x, kv_cache = block(x, kv_cache, md)
-            new_caches.append(kv_cache)
+        x, new_caches = run_layers(self.h, x, kv_caches, md)
         return self.ln_f(x), new_caches
 
     def compute_logits(self, hidden):
-        if self.lm_head is None:
-            return self.wte.attend(hidden).astype(jnp.float32)
-        return self.lm_head(hidden).astype(jnp.float32)
+        return tied_or_head_logits(self.wte, self.lm_head, hidden)
 
     @staticmethod
     def canonical_hf_name(name: str) -> str:

@@ -1,60 +1,12 @@
 """Llama-family decoder in Flax NNX: Llama 2/3 (GQA, Llama 3.1 rope scaling), Mistral,
 Qwen2 (q/k/v biases) and SmolLM2 (tied embeddings), attending through the paged KV cache."""
-import math
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jpaged.attention import AttentionMetadata, PagedAttention
+from jpaged.models.layers import RMSNorm, apply_rope, linear, rope_inv_freq, run_layers, tied_or_head_logits
 from jpaged.models.model_config import ModelConfig
-
-
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """Inverse frequencies as transformers computes them (default, linear and llama3 scaling)."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq.astype(np.float32)
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind == "linear":
-        return (inv_freq / scaling["factor"]).astype(np.float32)
-    if kind == "llama3":
-        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return np.where(medium, smoothed, scaled).astype(np.float32)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3 are)")
-
-
-def apply_rope(x, cos, sin):
-    """x [T, H, D]; cos/sin [T, D] in the rotate-half convention of transformers."""
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    out = x.astype(jnp.float32) * cos[:, None] + rotated.astype(jnp.float32) * sin[:, None]
-    return out.astype(x.dtype)
-
-
-class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
-        self.eps = eps
-
-    def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * x32.astype(x.dtype)
-
-
-def linear(din, dout, bias, dtype, rngs):
-    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
 
 
 class LlamaAttention(nnx.Module):
@@ -121,16 +73,11 @@ class LlamaForCausalLM(nnx.Module):
         freqs = positions.astype(jnp.float32)[:, None] * self.inv_freq[...][None, :]
         emb = jnp.concatenate([freqs, freqs], axis=-1)
         cos, sin = jnp.cos(emb), jnp.sin(emb)
-        new_caches = []
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, kv_cache = layer(x, cos, sin, kv_cache, md)
-            new_caches.append(kv_cache)
+        x, new_caches = run_layers(self.layers, x, kv_caches, cos, sin, md)
         return self.norm(x), new_caches
 
     def compute_logits(self, hidden):
-        if self.lm_head is None:
-            return self.embed_tokens.attend(hidden).astype(jnp.float32)
-        return self.lm_head(hidden).astype(jnp.float32)
+        return tied_or_head_logits(self.embed_tokens, self.lm_head, hidden)
 
     def hf_weight_map(self):
         """(module attribute path, HF tensor name, transpose?) for every parameter."""

@@ -11,8 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jpaged.attention import AttentionMetadata, PagedAttention
-from jpaged.models.gpt2 import LayerNorm, activation
-from jpaged.models.llama import linear
+from jpaged.models.layers import LayerNorm, activation, linear, run_layers, tied_or_head_logits
 from jpaged.models.model_config import ModelConfig
 
 POSITION_OFFSET = 2
@@ -93,10 +92,7 @@ class OPTForCausalLM(nnx.Module):
         if self.project_in is not None:
             x = self.project_in(x)
         x = x + self.embed_positions(positions + POSITION_OFFSET)
-        new_caches = []
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, kv_cache = layer(x, kv_cache, md)
-            new_caches.append(kv_cache)
+        x, new_caches = run_layers(self.layers, x, kv_caches, md)
         if self.final_layer_norm is not None:
             x = self.final_layer_norm(x)
         return x, new_caches
@@ -104,9 +100,7 @@ class OPTForCausalLM(nnx.Module):
     def compute_logits(self, hidden):
         if self.project_out is not None:
             hidden = self.project_out(hidden)
-        if self.lm_head is None:
-            return self.embed_tokens.attend(hidden).astype(jnp.float32)
-        return self.lm_head(hidden).astype(jnp.float32)
+        return tied_or_head_logits(self.embed_tokens, self.lm_head, hidden)
 
     @staticmethod
     def canonical_hf_name(name: str) -> str:

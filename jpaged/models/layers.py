@@ -1,0 +1,111 @@
+"""Pieces every jpaged model shares: norms, activations, linear layers, rotary positions, the layer
+loop, logits."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jpaged.models.model_config import ModelConfig
+
+ACTIVATIONS = {
+    "relu": jax.nn.relu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),          # tanh approximation
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+}
+
+
+def activation(name: str):
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"activation_function {name!r} is not supported; "
+                         f"supported: {sorted(ACTIVATIONS)}") from None
+
+
+class LayerNorm(nnx.Module):
+    """``torch.nn.LayerNorm`` (statistics in float32); ``affine=False`` has no weight or bias."""
+
+    def __init__(self, dim: int, eps: float, dtype, affine: bool = True):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype)) if affine else None
+        self.bias = nnx.Param(jnp.zeros((dim,), dtype)) if affine else None
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = ((x32 - mean) * jax.lax.rsqrt(var + self.eps)).astype(x.dtype)
+        if self.weight is None:
+            return y
+        return y * self.weight[...] + self.bias[...]
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * x32.astype(x.dtype)
+
+
+def linear(din, dout, bias, dtype, rngs):
+    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+
+def run_layers(layers, x, kv_caches, *args):
+    """``x`` through each layer with its own KV cache: ``layer(x, *args, kv_cache) -> (x, kv_cache)``
+    is called as ``layer(x, *args[:-1], kv_cache, args[-1])`` (the metadata comes last)."""
+    *extra, md = args
+    new_caches = []
+    for layer, kv_cache in zip(layers, kv_caches):
+        x, kv_cache = layer(x, *extra, kv_cache, md)
+        new_caches.append(kv_cache)
+    return x, new_caches
+
+
+def tied_or_head_logits(embed: nnx.Embed, lm_head, hidden):
+    """float32 logits from ``lm_head``, or from the embedding table when the two are tied (None)."""
+    if lm_head is None:
+        return embed.attend(hidden).astype(jnp.float32)
+    return lm_head(hidden).astype(jnp.float32)
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Inverse frequencies as transformers computes them (default, linear and llama3 scaling)."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq.astype(np.float32)
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return (inv_freq / scaling["factor"]).astype(np.float32)
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3 are)")
+
+
+def apply_rope(x, cos, sin):
+    """x [T, H, D]; cos/sin [T, D] in the rotate-half convention of transformers."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    out = x.astype(jnp.float32) * cos[:, None] + rotated.astype(jnp.float32) * sin[:, None]
+    return out.astype(x.dtype)
