@@ -161,14 +161,20 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
+    # These are the front's own counts, read at once from any thread under its lock (the bound on
+    # `max_queued_requests` uses them): a request counts as running from its first output on, so a
+    # preempted one still counts as running. The scheduler's exact queue lengths are
+    # ``get_metrics()["num_running_requests"]`` / ``["num_waiting_requests"]`` (read on the loop
+    # thread; the /metrics gauges use them).
     @property
     def num_running(self) -> int:
+        """Requests that have had an output and not finished."""
         with self._lock:
             return len(self._admitted)
 
     @property
     def num_waiting(self) -> int:
-        """Requests added (or being added) that the scheduler has not taken yet."""
+        """Requests added (or being added) that have had no output yet."""
         with self._lock:
             return len(self._streams) - len(self._admitted)
 

@@ -6,6 +6,7 @@ the byte tokenizer, given a chat template. Every wait is bounded in count and ti
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -391,6 +392,142 @@ def test_metrics_endpoint_parses(srv):
     assert value("jpaged:generation_tokens", "_total") >= 4
     assert value("jpaged:time_to_first_token_seconds", "_count") >= 1
     assert 0 <= value("jpaged:kv_cache_usage_perc", "") <= 1
+
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "n", "ok"],
+          "properties": {"name": {"type": "string", "maxLength": 6},
+                         "n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}}}
+
+
+def greedy_token(srv, prompt) -> int:
+    """The first greedy token of ``prompt``, from the engine front (the server returns no token ids)."""
+    from jpaged import SamplingParams
+
+    stream = srv.engine.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    return [out for out in stream][-1].outputs[0].token_ids[0]
+
+
+def test_structured_output_and_logit_bias(srv):
+    jsonschema = pytest.importorskip("jsonschema")
+    messages = [{"role": "user", "content": "Give me JSON"}]
+    rf = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
+    chat = srv.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0,
+                                              response_format=rf)
+    assert chat.choices[0].finish_reason == "stop"  # the grammar ended, then only EOS was allowed
+    jsonschema.validate(json.loads(chat.choices[0].message.content), SCHEMA)
+    # json_object: a random model would write one endless key; a bias on "}" closes the object at once
+    obj = srv.client.completions.create(model=MODEL, prompt="JSON:", max_tokens=16, temperature=0,
+                                        logit_bias={str(ord("}")): 100},
+                                        extra_body={"response_format": {"type": "json_object"}})
+    assert json.loads(obj.choices[0].text) == {} and obj.choices[0].finish_reason == "stop"
+    # vLLM's structured_outputs: a choice (chat, sampled, n=3) and a regex (completions, streamed)
+    choices = ["red", "green", "blue"]
+    picked = srv.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, n=3, seed=3,
+                                                extra_body={"structured_outputs": {"choice": choices}})
+    assert all(c.message.content in choices for c in picked.choices)
+    texts, _, _ = _stream_text(srv.client.completions.create(
+        model=MODEL, prompt="Code:", max_tokens=16, temperature=0, stream=True,
+        extra_body={"structured_outputs": {"regex": "[a-c]{3}-[0-9]"}}))
+    assert re.fullmatch("[a-c]{3}-[0-9]", texts[0]), texts
+
+    # logit_bias: -100 on the greedy first token changes it; +100 on "A" forces it
+    prompt = "Bias me"
+    first = greedy_token(srv, prompt)
+    base = srv.client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, logprobs=0, **GREEDY)
+    biased = srv.client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, logprobs=0,
+                                           logit_bias={str(first): -100}, **GREEDY)
+    assert base.choices[0].logprobs.tokens[0] == srv.tokenizer.decode([first])
+    assert biased.choices[0].logprobs.tokens[0] != base.choices[0].logprobs.tokens[0]
+    forced = srv.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
+                                                logit_bias={str(ord("A")): 100}, **GREEDY)
+    assert forced.choices[0].message.content == "AAAA"
+    # allowed_token_ids with bad_words; include_stop_str_in_output
+    only_y = srv.client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, extra_body={
+        "allowed_token_ids": [ord("x"), ord("y")], "bad_words": ["x"], "ignore_eos": True}, temperature=1.0, seed=0)
+    assert only_y.choices[0].text == "yyyyy"
+    for include, expected in ((True, "AA"), (False, "")):
+        r = srv.client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, stop="AA", logit_bias={
+            str(ord("A")): 100}, extra_body={"include_stop_str_in_output": include, "ignore_eos": True}, temperature=0)
+        assert (r.choices[0].text, r.choices[0].finish_reason) == (expected, "stop")
+
+
+def test_echo_logprobs_and_prompt_logprobs(srv):
+    r = srv.client.completions.create(model=MODEL, prompt="Echo me", max_tokens=3, echo=True, logprobs=2,
+                                      extra_body={"prompt_logprobs": 1, "ignore_eos": True}, temperature=0)
+    c = r.choices[0]
+    lp, prompt_lps = c.logprobs, c.model_extra["prompt_logprobs"]
+    assert c.text.startswith("Echo me") and len(lp.tokens) == 7 + 3 and "".join(lp.tokens[:7]) == "Echo me"
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts the first token
+    assert prompt_lps[0] is None and len(prompt_lps) == 7
+    for i in range(1, 7):
+        token = str(ord("Echo me"[i]))
+        assert lp.token_logprobs[i] == pytest.approx(prompt_lps[i][token]["logprob"]) and lp.token_logprobs[i] <= 0
+        assert 1 <= len(lp.top_logprobs[i]) <= 3 and len(prompt_lps[i]) <= 2
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+    assert lp.text_offset[7] == len("Echo me")
+    texts, _, _ = _stream_text(srv.client.completions.create(model=MODEL, prompt="Echo me", max_tokens=3, echo=True,
+                                                             stream=True, **GREEDY))
+    assert texts == {0: c.text}
+
+
+def test_output_control_errors_are_400_before_the_engine(srv, monkeypatch):
+    """A bad regex, schema or bias is a 400 naming the field; the engine never sees the request, and a
+    request in flight is not disturbed."""
+    stream = srv.client.completions.create(model=MODEL, prompt="In flight", max_tokens=40, stream=True, **GREEDY)
+    it = iter(stream)
+    next(it)
+    engine = srv.engine.engine
+    real_add, added = engine.add_request, []
+    monkeypatch.setattr(engine, "add_request", lambda request_id, *a, **kw: (added.append(request_id),
+                                                                            real_add(request_id, *a, **kw))[1])
+    messages = [{"role": "user", "content": "x"}]
+    cases = [
+        ("structured_outputs", dict(extra_body={"structured_outputs": {"regex": "([a-z"}})),
+        ("structured_outputs", dict(extra_body={"structured_outputs": {"choice": []}})),
+        ("structured_outputs", dict(extra_body={"structured_outputs": {"json": "{", "regex": "a"}})),
+        ("response_format", dict(extra_body={"response_format": {"type": "json_schema", "json_schema": {
+            "name": "bad", "schema": {"type": "nonsense"}}}})),
+        ("response_format", dict(extra_body={"response_format": {"type": "xml"}})),
+        ("logit_bias", dict(logit_bias={"5": 150})),
+        ("logit_bias", dict(logit_bias={"999999": 1})),   # outside the 256-token vocabulary
+        ("logit_bias", dict(logit_bias={"x": 1})),
+        ("allowed_token_ids", dict(extra_body={"allowed_token_ids": [300]})),
+        ("bad_words", dict(extra_body={"bad_words": [" "]})),
+    ]
+    for param, kw in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            srv.client.completions.create(model=MODEL, prompt="x", max_tokens=4, **kw)
+        assert e.value.status_code == 400 and e.value.body["param"] == param, (kw, e.value.body)
+        assert e.value.body["type"] == "invalid_request_error" and set(e.value.body) == {
+            "message", "type", "param", "code"}
+    with pytest.raises(openai.BadRequestError) as e:
+        srv.client.chat.completions.create(model=MODEL, messages=messages, response_format={
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": {"$ref": "#/missing"}}})
+    assert e.value.body["param"] == "response_format"
+    assert added == []  # none reached the engine
+    assert [c.finish_reason for chunk in it for c in chunk.choices if c.finish_reason] == ["length"]
+    m = wait_all_blocks_free(srv)
+    assert m["num_free_blocks"] == m["num_total_blocks"]
+
+
+def test_metrics_running_and_waiting_are_the_schedulers(srv):
+    """With more requests than max_num_seqs (16), the gauges are the scheduler's queue lengths."""
+    from jpaged import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    streams = [srv.engine.add_request(None, f"gauge {i}", params) for i in range(20)]
+    try:
+        for s in streams:
+            s.added.result(timeout=30)
+        families = {f.name: f for f in text_string_to_metric_families(http(srv, "GET", "/metrics", key=None)[1])}
+        gauge = lambda name: families[name].samples[0].value  # noqa: E731
+        running, waiting = gauge("jpaged:num_requests_running"), gauge("jpaged:num_requests_waiting")
+        assert running + waiting == 20 and running <= 16 and waiting >= 4, (running, waiting)
+    finally:
+        for s in streams:
+            srv.engine.abort(s.request_id)
+    m = wait_all_blocks_free(srv)
+    assert m["num_free_blocks"] == m["num_total_blocks"]
 
 
 def test_http_benchmark_smoke(srv, tmp_path):

@@ -1,8 +1,8 @@
 """Prometheus metrics of the server, names prefixed ``jpaged:`` (vLLM's are ``vllm:``).
 
 Per-request counters and latency histograms are updated on the engine thread through
-`AsyncLLMEngine.on_output`; the engine's own counters (KV cache, prefix cache, preemptions) are read
-from ``get_metrics()`` at each scrape.
+`AsyncLLMEngine.on_output`; the engine's own gauges and counters (running and waiting requests, KV
+cache, prefix cache, preemptions) are read from ``get_metrics()`` on the engine thread at each scrape.
 """
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -102,7 +102,10 @@ class ServerMetrics:
 
     async def render(self) -> bytes:
         """The Prometheus text exposition, with a fresh engine snapshot."""
-        self._engine.snapshot = await self.async_engine.get_metrics()
-        self._engine.running = self.async_engine.num_running
-        self._engine.waiting = self.async_engine.num_waiting
+        snapshot = await self.async_engine.get_metrics()  # read on the engine thread, between steps
+        self._engine.snapshot = snapshot
+        # the scheduler's own queue lengths: exact (a preempted request is waiting again, a request in
+        # chunked prefill is running); the front's counts only for an engine that does not report them
+        self._engine.running = snapshot.get("num_running_requests", self.async_engine.num_running)
+        self._engine.waiting = snapshot.get("num_waiting_requests", self.async_engine.num_waiting)
         return generate_latest(self.registry)

@@ -7,6 +7,11 @@ with uvicorn. Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/complet
 "code"}}``: 400 for bad JSON, parameters or prompts, 401 without the API key, 404 for an unknown
 model, 503 when ``max_queued_requests`` are already waiting, 500 when the engine fails a request.
 A client that disconnects aborts its requests.
+
+Output control (``logit_bias``, ``response_format``, vLLM's ``structured_outputs``,
+``allowed_token_ids``, ``bad_words``) is checked against the model here, before the request reaches
+the engine: grammars are compiled (and cached) on a worker thread, so a cold compile never stalls the
+engine loop, and an invalid schema, regex or bias is a 400 that no other request notices.
 """
 import asyncio
 import contextlib
@@ -42,14 +47,28 @@ def error_response(status: int, message: str, type: str = "invalid_request_error
 REQUEST_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
 
 
-def bad_request(e: ValueError, prompt_param: str = "prompt") -> APIError:
-    """A 400 naming the request field the ValueError names (``SamplingParams.top_p=...`` -> ``top_p``)."""
+STRUCTURED_PARAMS = ("structured_outputs", "response_format", "StructuredOutputsParams")
+
+
+def bad_request(e: ValueError, prompt_param: str = "prompt", structured_param: str = "structured_outputs") -> APIError:
+    """A 400 naming the request field the ValueError names (``SamplingParams.top_p=...`` -> ``top_p``);
+    structured-output errors name the field the request used (``response_format`` or ``structured_outputs``)."""
     message = str(e)
     m = re.match(r"(?:prompts?\[\d+\]: )?(?:SamplingParams\.)?(\w+)", message)
     param = m.group(1) if m else None
     if param in ("prompt", "prompt_token_ids", "chat", "chat_template", "messages"):
         param = prompt_param
+    elif param in STRUCTURED_PARAMS:
+        param = structured_param
     return APIError(400, message, param=param if param in REQUEST_FIELDS else None)
+
+
+def _top(entry: dict, token: int, k: int) -> dict:
+    """The ``k`` most likely of a logprobs entry, and ``token``'s own."""
+    best = dict(sorted(entry.items(), key=lambda kv: -kv[1])[:k])
+    if token in entry:
+        best[token] = entry[token]
+    return best
 
 
 def _sse(payload) -> str:
@@ -77,8 +96,24 @@ class OpenAIServing:
             self._token_text[token_id] = text
         return text
 
+    async def check_params(self, params, body) -> None:
+        """The model-dependent checks of ``params`` (token ids in the vocabulary, ``bad_words``
+        tokenized, grammars compiled into the shared cache) before the engine sees the request: an
+        error is a 400, and the engine's own check of the same request then hits the grammar cache.
+        A grammar or bad words are prepared on a worker thread, off the event loop and the engine loop."""
+        config = getattr(self.engine.engine, "model_config", None)
+        if config is None:  # an engine without a model config: its add_request checks everything
+            return
+        try:
+            if params.structured_outputs is not None or params.bad_words:
+                await asyncio.to_thread(params.validate_for_vocab, config.vocab_size, self.tokenizer)
+            else:
+                params.validate_for_vocab(config.vocab_size, self.tokenizer)
+        except ValueError as e:
+            raise bad_request(e, structured_param=body.structured_param) from None
+
     async def start(self, request_id: str, prompts: list, params, delta: bool, prompt_param: str,
-                    cache_salt: str | None = None) -> list:
+                    cache_salt: str | None = None, structured_param: str = "structured_outputs") -> list:
         """Adds one engine request per prompt; all accepted, or none (then the APIError)."""
         if not self.engine.is_running:
             raise APIError(503, "the engine is not running (shutting down)", type="server_error")
@@ -103,7 +138,7 @@ class OpenAIServing:
             e = errors[0]
             if isinstance(e, ValueError):
                 raise bad_request(ValueError(f"prompt[{results.index(e)}]: {e}" if len(prompts) > 1 else str(e)),
-                                  prompt_param)
+                                  prompt_param, structured_param)
             raise e
         return streams
 
@@ -178,17 +213,34 @@ class OpenAIServing:
                 "total_tokens": prompt_tokens + completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
-    def completion_logprobs(self, token_ids, logprobs, offset: int) -> dict:
-        """OpenAI completions' logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+    def completion_logprobs(self, token_ids, logprobs, offset: int, top: int | None = None) -> dict:
+        """OpenAI completions' logprobs: tokens, token_logprobs, top_logprobs, text_offset. An entry
+        may be None (the first prompt token); ``top`` keeps the token and at most ``top`` others."""
         result = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for t, entry in zip(token_ids, logprobs or ()):
             text = self.token_text(t)
+            if entry is not None and top is not None:
+                entry = _top(entry, t, top)
             result["tokens"].append(text)
-            result["token_logprobs"].append(entry.get(t))
-            result["top_logprobs"].append({self.token_text(k): v for k, v in entry.items()})
+            result["token_logprobs"].append(None if entry is None else entry.get(t))
+            result["top_logprobs"].append(None if entry is None else {self.token_text(k): v for k, v in entry.items()})
             result["text_offset"].append(offset)
             offset += len(text)
         return result
+
+    def echo_logprobs(self, body: CompletionRequest, out) -> dict:
+        """``echo`` with ``logprobs``: the prompt tokens' logprobs (the first one has none)."""
+        entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+        return self.completion_logprobs(out.prompt_token_ids, entries, 0, top=body.logprobs)
+
+    def prompt_logprobs(self, out, top: int) -> list | None:
+        """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {token id: {logprob,
+        decoded_token}} for the token and the ``top`` most likely."""
+        if out.prompt_logprobs is None:
+            return None
+        return [None if entry is None else
+                {str(k): {"logprob": v, "decoded_token": self.token_text(k)} for k, v in _top(entry, t, top).items()}
+                for t, entry in zip(out.prompt_token_ids, out.prompt_logprobs)]
 
     def chat_logprobs(self, token_ids, logprobs, top: int) -> dict:
         content = []
@@ -216,9 +268,11 @@ class OpenAIServing:
             params = body.sampling_params()
             prompts = body.prompts()
         except ValueError as e:
-            raise bad_request(e) from None
+            raise bad_request(e, structured_param=body.structured_param) from None
+        await self.check_params(params, body)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self.start(request_id, prompts, params, body.stream, "prompt", body.cache_salt)
+        streams = await self.start(request_id, prompts, params, body.stream, "prompt", body.cache_salt,
+                                   body.structured_param)
         created = int(time.time())
         base = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
         if body.stream:
@@ -228,12 +282,19 @@ class OpenAIServing:
         choices, completion_tokens = [], 0
         for i, out in enumerate(outs):
             prompt_text = self._prompt_text(out) if body.echo else ""
+            echoed = self.echo_logprobs(body, out) if body.echo and body.logprobs is not None else None
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
-                logprobs = (self.completion_logprobs(c.token_ids, c.logprobs, 0)
-                            if body.logprobs is not None else None)
-                choices.append({"index": i * body.n + c.index, "text": prompt_text + c.text, "logprobs": logprobs,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs = self.completion_logprobs(c.token_ids, c.logprobs, len(prompt_text))
+                    if echoed is not None:
+                        logprobs = {k: echoed[k] + logprobs[k] for k in logprobs}
+                choice = {"index": i * body.n + c.index, "text": prompt_text + c.text, "logprobs": logprobs,
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if body.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self.prompt_logprobs(out, body.prompt_logprobs)
+                choices.append(choice)
         choices.sort(key=lambda ch: ch["index"])
         usage = self.usage(sum(len(o.prompt_token_ids) for o in outs), completion_tokens,
                            sum(o.num_cached_tokens for o in outs))
@@ -245,19 +306,27 @@ class OpenAIServing:
         return self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer is not None else ""
 
     async def _completion_events(self, body: CompletionRequest, streams, base: dict):
+        """Chunks per step; the first chunk of each choice carries the echoed prompt (with its logprobs)
+        or, when asked, vLLM's ``prompt_logprobs``."""
         prompt_tokens = completion_tokens = cached = 0
         offsets: dict[int, int] = {}
-        seen = set()
+        seen, first = set(), {}  # prompts seen; prompt index -> what its choices' first chunks add
         try:
             async for i, out in self.merged(streams):
                 if i not in seen:
                     seen.add(i)
                     prompt_tokens += len(out.prompt_token_ids)
                     cached += out.num_cached_tokens
+                    extra = {} if body.prompt_logprobs is None else {"prompt_logprobs": self.prompt_logprobs(out, body.prompt_logprobs)}
                     if body.echo:
                         text = self._prompt_text(out)
-                        yield _sse({**base, "choices": [{"index": i * body.n + j, "text": text, "logprobs": None,
-                                                         "finish_reason": None} for j in range(body.n)]})
+                        echoed = self.echo_logprobs(body, out) if body.logprobs is not None else None
+                        for j in range(body.n):
+                            offsets[i * body.n + j] = len(text)
+                        yield _sse({**base, "choices": [{"index": i * body.n + j, "text": text, "logprobs": echoed,
+                                                         "finish_reason": None, **extra} for j in range(body.n)]})
+                    else:
+                        first[i] = (extra, set())
                 for c in out.outputs:
                     if c.finish_reason == "error":
                         raise EngineError("the engine failed while generating this request")
@@ -267,9 +336,12 @@ class OpenAIServing:
                     if body.logprobs is not None:
                         logprobs = self.completion_logprobs(c.token_ids, c.logprobs, offsets.get(index, 0))
                         offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
-                    yield _sse({**base, "choices": [{"index": index, "text": c.text, "logprobs": logprobs,
-                                                     "finish_reason": c.finish_reason,
-                                                     "stop_reason": c.stop_reason}]})
+                    choice = {"index": index, "text": c.text, "logprobs": logprobs,
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    if i in first and c.index not in first[i][1]:
+                        first[i][1].add(c.index)
+                        choice.update(first[i][0])
+                    yield _sse({**base, "choices": [choice]})
             if body.include_usage:
                 yield _sse({**base, "choices": [], "usage": self.usage(prompt_tokens, completion_tokens, cached)})
         finally:
@@ -283,9 +355,11 @@ class OpenAIServing:
             prompt = apply_chat_template(self.tokenizer, body.messages, self.chat_template,
                                          body.add_generation_prompt)
         except ValueError as e:
-            raise bad_request(e, "messages") from None
+            raise bad_request(e, "messages", body.structured_param) from None
+        await self.check_params(params, body)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self.start(request_id, [prompt], params, body.stream, "messages", body.cache_salt)
+        streams = await self.start(request_id, [prompt], params, body.stream, "messages", body.cache_salt,
+                                   body.structured_param)
         base = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name}
         if body.stream:
             return StreamingResponse(self.error_events(self._chat_events(body, streams[0], base)),

@@ -1,15 +1,17 @@
 """OpenAI request shapes (pydantic) and their translation to `SamplingParams`.
 
-Unknown fields are ignored, as most OpenAI-compatible servers do. Beyond OpenAI's fields, the
-sampling knobs jpaged has are accepted too (``top_k``, ``min_p``, ``min_tokens``,
-``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``cache_salt``; pass them with
-``extra_body``).
+Unknown fields are ignored, as most OpenAI-compatible servers do. Beyond OpenAI's fields
+(``logit_bias``, ``response_format`` among them), the sampling knobs jpaged has are accepted too, with
+vLLM's names (``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``stop_token_ids``,
+``ignore_eos``, ``include_stop_str_in_output``, ``skip_special_tokens``, ``allowed_token_ids``,
+``bad_words``, ``structured_outputs``, ``prompt_logprobs`` for completions, ``cache_salt``; pass them
+with ``extra_body``).
 """
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from jpaged.sampling_params import SamplingParams
+from jpaged.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class StreamOptions(BaseModel):
@@ -34,11 +36,40 @@ class _SamplingRequest(BaseModel):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logit_bias: dict[str, Any] | None = None      # OpenAI: token id (as a string) -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    response_format: dict[str, Any] | None = None  # OpenAI: {"type": "text" | "json_object" | "json_schema"}
+    structured_outputs: dict[str, Any] | None = None  # vLLM: {"json" | "regex" | "choice" | "grammar": ...}
     cache_salt: str | None = None  # prefix-cache isolation: only requests with the same salt share blocks
     stream: bool = False
     stream_options: StreamOptions | None = None
 
-    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def structured(self) -> StructuredOutputsParams | None:
+        """``structured_outputs`` or ``response_format`` (not both) as StructuredOutputsParams."""
+        if self.structured_outputs is not None and self.response_format is not None \
+                and StructuredOutputsParams.from_response_format(self.response_format) is not None:
+            raise ValueError("structured_outputs: give either structured_outputs or response_format, not both")
+        if self.structured_outputs is not None:
+            unknown = set(self.structured_outputs) - set(StructuredOutputsParams.__dataclass_fields__)
+            if unknown:
+                raise ValueError(f"structured_outputs: unknown field(s) {sorted(unknown)}; expected json, regex, "
+                                 "choice, grammar or json_object")
+            try:
+                return StructuredOutputsParams(**self.structured_outputs)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs: {e}") from None
+        try:
+            return StructuredOutputsParams.from_response_format(self.response_format)
+        except ValueError as e:
+            message = str(e)
+            raise ValueError(message if message.startswith("response_format") else f"response_format: {message}") \
+                from None
+
+    def _params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+                ) -> SamplingParams:
         """Raises ValueError naming the field (SamplingParams' own checks)."""
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
@@ -47,7 +78,15 @@ class _SamplingRequest(BaseModel):
             min_p=self.min_p or 0.0, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty)
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self.logit_bias or None, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            structured_outputs=self.structured(), prompt_logprobs=prompt_logprobs)
+
+    @property
+    def structured_param(self) -> str:
+        """The request field a structured-output error is about."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
 
     @property
     def include_usage(self) -> bool:
@@ -58,14 +97,17 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM: each choice's ``prompt_logprobs``
     suffix: str | None = None
 
     def sampling_params(self) -> SamplingParams:
+        """``echo`` with ``logprobs`` asks for the prompt's logprobs too (they lead the choice's logprobs)."""
         if self.suffix:
             raise ValueError("suffix: not supported")
+        prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:
-            raise ValueError("echo: not supported together with logprobs (prompt logprobs are not computed)")
-        return self._params(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+        return self._params(16 if self.max_tokens is None else self.max_tokens, self.logprobs, prompt_logprobs)
 
     def prompts(self) -> list:
         """The prompts as a list of texts or token-id lists."""
