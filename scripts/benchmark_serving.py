@@ -141,8 +141,7 @@ def main(argv):
 def http_main(rates: list[float]) -> None:
     import serving_client
 
-    prompts, output_lens = load_workload(F.peers_dir, F.workload, F.http_vocab_size, F.num_requests, F.seed,
-                                         F.length_scale)
+    prompts, output_lens = make_workload(F.workload, F.http_vocab_size, F.num_requests, F.seed, F.length_scale)
     requests = list(zip(prompts, output_lens))
     serving_client.main(F.base_url, F.api_key, F.served_model, requests, rates,
                         lambda rate: poisson_arrivals(rate, len(requests), F.arrival_seed), F.warmup_requests)

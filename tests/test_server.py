@@ -468,6 +468,12 @@ def test_echo_logprobs_and_prompt_logprobs(srv):
     texts, _, _ = _stream_text(srv.client.completions.create(model=MODEL, prompt="Echo me", max_tokens=3, echo=True,
                                                              stream=True, **GREEDY))
     assert texts == {0: c.text}
+    # streamed without echo: the choice's first chunk carries prompt_logprobs
+    chunks = list(srv.client.completions.create(model=MODEL, prompt="Echo me", max_tokens=3, stream=True,
+                                                extra_body={"prompt_logprobs": 1, "ignore_eos": True}, temperature=0))
+    streamed = [ch.choices[0].model_extra.get("prompt_logprobs") for ch in chunks if ch.choices]
+    assert len(streamed) >= 2 and all(x is None for x in streamed[1:]) and streamed[0][0] is None
+    assert [sorted(e) for e in streamed[0][1:]] == [sorted(e) for e in prompt_lps[1:]]
 
 
 def test_output_control_errors_are_400_before_the_engine(srv, monkeypatch):
@@ -530,17 +536,12 @@ def test_metrics_running_and_waiting_are_the_schedulers(srv):
     assert m["num_free_blocks"] == m["num_total_blocks"]
 
 
-def test_http_benchmark_smoke(srv, tmp_path):
-    """benchmark_serving.py's HTTP mode against this server (a tiny workload written here)."""
-    (tmp_path / "workloads.py").write_text(
-        "import random\n"
-        "def make_workload(name, vocab, n, seed):\n"
-        "    rng = random.Random(seed)\n"
-        "    n = n or 4\n"
-        "    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(4, 12))] for _ in range(n)], [4] * n\n")
+def test_http_benchmark_smoke(srv):
+    """benchmark_serving.py's HTTP mode against this server (alpaca-like shrunk to a few tokens a request)."""
     result = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "benchmark_serving.py"),
-                             f"--base_url={srv.url}/v1", f"--api_key={API_KEY}", f"--peers_dir={tmp_path}",
-                             "--num_requests=6", "--request_rates=20", "--http_vocab_size=256", "--warmup_requests=0"],
+                             f"--base_url={srv.url}/v1", f"--api_key={API_KEY}", "--workload=alpaca-like",
+                             "--length_scale=0.1", "--num_requests=6", "--request_rates=20", "--http_vocab_size=256",
+                             "--warmup_requests=0"],
                             capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "requests/s" in result.stdout and "output tok/s" in result.stdout and "TTFT" in result.stdout

@@ -317,7 +317,8 @@ class OpenAIServing:
                     seen.add(i)
                     prompt_tokens += len(out.prompt_token_ids)
                     cached += out.num_cached_tokens
-                    extra = {} if body.prompt_logprobs is None else {"prompt_logprobs": self.prompt_logprobs(out, body.prompt_logprobs)}
+                    extra = ({} if body.prompt_logprobs is None
+                             else {"prompt_logprobs": self.prompt_logprobs(out, body.prompt_logprobs)})
                     if body.echo:
                         text = self._prompt_text(out)
                         echoed = self.echo_logprobs(body, out) if body.logprobs is not None else None
