@@ -13,6 +13,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jpaged import beam_search, sharding
 from jpaged.config import DTYPES, EngineConfig
@@ -166,10 +167,10 @@ class LLMEngine:
     def _token_ids(ids) -> list[int]:
         """Token ids as Python ints (numpy integers accepted; bools, floats and strings are not)."""
         ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)]
+        bad = [t for t in ids if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))]
         if bad:
             raise ValueError(f"prompt_token_ids: {bad[:5]!r} are not integer token ids")
-        return ids
+        return [int(t) for t in ids]
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams | BeamSearchParams) -> None:
         """Every check on a request, before it touches the scheduler or the device."""

@@ -19,7 +19,7 @@ def assert_one_line_error(result, *needles):
 
 
 @pytest.mark.parametrize("flag,needle", [
-    ("--temperature=-1", "SamplingParams.temperature=-1.0: must be >= 0"),
+    ("--temperature=-1", "SamplingParams.temperature=-1.0: must be a number >= 0"),
     ("--max_tokens=0", "SamplingParams.max_tokens=0"),
     ("--top_p=2", "SamplingParams.top_p=2.0"),
     ("--temperature=hot", "--temperature=hot"),

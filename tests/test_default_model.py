@@ -25,15 +25,11 @@ def test_capital_of_france_is_paris(default_llm):
 
 
 def test_generate_script_runs(llama_dir, tmp_path):
-    import subprocess
-    import sys
+    from run_script import run_script
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("hello\nworld of pages\n")
-    result = subprocess.run([sys.executable, "scripts/generate.py", f"--model={llama_dir[0]}",
-                             f"--prompts_file={prompts}", "--max_tokens=5", "--num_kv_blocks=32",
-                             "--max_model_len=128", "--ignore_eos"],
-                            capture_output=True, text=True, timeout=300,
-                            cwd=__file__.rsplit("/tests/", 1)[0])
+    result = run_script("generate.py", f"--model={llama_dir[0]}", f"--prompts_file={prompts}", "--max_tokens=5",
+                        "--num_kv_blocks=32", "--max_model_len=128", "--ignore_eos")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "2 requests" in result.stdout and "output tok/s" in result.stdout

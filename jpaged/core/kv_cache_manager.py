@@ -77,10 +77,11 @@ class KVCacheManager:
                    for s, c in zip(seqs, cached_blocks))
         if need + len(reviving) > self.pool.num_free_blocks:
             return None
-        new_blocks = []
-        for seq, cached in zip(seqs, cached_blocks):
-            if admitting:
+        if admitting:  # every cached block is taken before any new one, which could evict it
+            for seq, cached in zip(seqs, cached_blocks):
                 self._admit(seq, cached)
+        new_blocks = []
+        for seq in seqs:
             new_blocks.append(self._grow(seq, num_new_tokens))
             self._cache_full_blocks(seq, cache_salt, seq.num_computed_tokens + num_new_tokens)
         return new_blocks
