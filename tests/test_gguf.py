@@ -63,8 +63,6 @@ def random_hf_weights(rng, arch, tied, bias):
             p + "mlp.up_proj.weight": (TINY["inter"], h),
             p + "mlp.down_proj.weight": (h, TINY["inter"]),
         }
-        if arch == "qwen3":
-            shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
         if bias:
             for proj, n in (("q", TINY["heads"]), ("k", TINY["kv_heads"]), ("v", TINY["kv_heads"])):
                 shapes[p + f"self_attn.{proj}_proj.bias"] = (n * d,)
@@ -95,8 +93,6 @@ def write_tiny_gguf(path, arch, weights, qtype):
     permuted = arch in ("llama", "mistral")
     w = gguf.GGUFWriter(str(path), "llama" if arch == "mistral" else arch)
     w.add_name("Mistral tiny" if arch == "mistral" else "tiny test model")
-    if arch == "qwen3":
-        w.add_key_length(TINY["hidden"] // TINY["heads"])
     w.add_block_count(TINY["layers"])
     w.add_context_length(TINY["ctx"])
     w.add_embedding_length(TINY["hidden"])
@@ -164,7 +160,7 @@ Q = gguf.GGMLQuantizationType
         ("llama", Q.F16, False, False),
         ("llama", Q.Q8_0, True, True),
         ("qwen2", Q.F32, False, True),
-        ("qwen3", Q.F16, True, False),
+        ("qwen2", Q.F16, True, False),
         ("mistral", Q.Q8_0, False, False),
     ],
 )
@@ -185,7 +181,7 @@ def test_tiny_gguf_round_trip(tmp_path, arch, qtype, tied, bias):
 
     assert config == {
         "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                           "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]],  # fmt: skip
+                           "qwen2": "Qwen2ForCausalLM"}[arch]],  # fmt: skip
         "model_type": arch,
         "vocab_size": TINY["vocab"],
         "hidden_size": TINY["hidden"],

@@ -356,7 +356,7 @@ class EngineMachine(RuleBasedStateMachine):
 
 
 TestEngineMachine = EngineMachine.TestCase
-TestEngineMachine.settings = settings(max_examples=12, stateful_step_count=25, deadline=None,
+TestEngineMachine.settings = settings(max_examples=8, stateful_step_count=25, deadline=None,
                                       suppress_health_check=list(HealthCheck))
 
 
