@@ -21,7 +21,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"        # or "swap"
     swap_space_bytes: int = 4 << 30
-    cpu_default_bytes: int = 512 << 20        # pool budget where devices report no memory (CPU)
+    cpu_default_bytes: int = 256 << 20        # pool budget where devices report no memory (CPU)
     allocator: str = "paged"                  # benchmarks only: "max" | "pow2" | "oracle" reserve
                                               # contiguous runs per request, as Orca did
     share_forked_blocks: bool = True          # benchmarks only: False copies every block on fork

@@ -25,7 +25,7 @@ from jpaged.model_runner import ModelRunner
 from jpaged.outputs import CompletionOutput, RequestOutput
 from jpaged.request import Request, Sequence
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
-from jpaged.utils import cdiv
+from jpaged.utils import cdiv, release_free_host_memory
 
 logger = logging.getLogger("jpaged")
 if not logger.handlers:  # one line per event on stderr, as vLLM prints its start-up facts
@@ -57,6 +57,7 @@ class LLMEngine:
         backend = config.attention_backend
         self.attention_backend = backend if backend != "auto" else ("pallas" if platform in ("tpu", "gpu") else "xla")
         model, self.tokenizer = self._load(model, tokenizer)
+        release_free_host_memory()
         mc = self.model_config = model.config
         sc, cc = config.scheduler, config.cache
         if sc.max_model_len is not None and sc.max_model_len > mc.max_position_embeddings:
