@@ -5,8 +5,9 @@ from any directory and in a non-editable install. ``"smollm2-135m-instruct"``,
 ``"configs/smollm2-135m-instruct"`` and ``"smollm2-135m-instruct.json"`` name the same preset; the
 path of a ``.json`` file of one's own is a preset too.
 """
-import json
 import os
+
+from jpaged.utils import read_json
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
@@ -17,26 +18,15 @@ def list_presets() -> list[str]:
     return sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".json"))
 
 
-def _read(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            preset = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(preset, dict):
-        raise ValueError(f"{path}: a preset is a JSON object, got {type(preset).__name__}")
-    return preset
-
-
 def load_preset(name: str) -> dict | None:
     """The preset's settings, or None when ``name`` is not a preset."""
     if name.endswith(".json") and os.path.isfile(name):
-        return _read(name)
+        return read_json(name)
     base = name.removeprefix("configs/").removesuffix(".json")
     if not base or os.sep in base or "/" in base:
         return None
     path = os.path.join(CONFIG_DIR, f"{base}.json")
-    return _read(path) if os.path.isfile(path) else None
+    return read_json(path) if os.path.isfile(path) else None
 
 
 def is_model_path(name: str) -> bool:

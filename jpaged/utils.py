@@ -1,5 +1,6 @@
 """Small helpers shared by the host-side engine."""
 import ctypes
+import json
 
 
 def cdiv(a: int, b: int) -> int:
@@ -22,3 +23,15 @@ def release_free_host_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def read_json(file: str) -> dict:
+    """A JSON object from ``file``; ValueError naming the file when it is not one."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(value).__name__}")
+    return value

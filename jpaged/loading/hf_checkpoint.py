@@ -4,24 +4,12 @@ A broken file is a ``ValueError`` that names the file and what is wrong with it 
 missing or inconsistent field, an unreadable or truncated safetensors file).
 """
 import glob
-import json
 import os
 
 import numpy as np
 
 from jpaged.models import ModelConfig
-
-
-def read_json(file: str) -> dict:
-    """A JSON object from ``file``."""
-    try:
-        with open(file, encoding="utf-8") as f:
-            value = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{file}: not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{file}: expected a JSON object, got {type(value).__name__}")
-    return value
+from jpaged.utils import read_json  # noqa: F401  (re-exported: loaders import it from here)
 
 
 def read_config(path: str) -> dict:

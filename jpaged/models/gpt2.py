@@ -6,7 +6,6 @@ transposed on load. Checkpoints written by ``GPT2LMHeadModel.save_pretrained`` n
 ``transformer.h.0...``; the original OpenAI/Hub files name them ``h.0...``: `canonical_hf_name`
 maps both to the first spelling.
 """
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
