@@ -18,7 +18,7 @@ def read_checkpoint(path: str):
         from jpaged.loading.gguf_loader import load_gguf
 
         hf_config, weights, tokenizer = load_gguf(path)
-        return hf_config, weights.items(), tokenizer
+        return hf_config, _drain(weights), tokenizer
     if os.path.isdir(path) and orbax_checkpoint.is_orbax_checkpoint(path):
         return orbax_checkpoint.read_as_hf(path)
     if os.path.isdir(path):
@@ -27,6 +27,13 @@ def read_checkpoint(path: str):
         return (hf_checkpoint.read_config(path), hf_checkpoint.iter_safetensors(path),
                 hf_checkpoint.load_tokenizer(path))
     raise ValueError(f"model={path!r}: not a Hugging Face directory, a .gguf file or a known preset")
+
+
+def _drain(weights: dict):
+    """(name, array) pairs, each dropped from ``weights`` as it is handed out, so the host copy of
+    a weight can be freed once it is on the device (not all of them held to the end)."""
+    while weights:
+        yield weights.popitem()
 
 
 def _set(module, path, value):
