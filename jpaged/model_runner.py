@@ -19,27 +19,7 @@ from jpaged.attention import attention_backend_of, make_attention_metadata
 from jpaged.core.scheduler import SchedulerOutput
 from jpaged.sampler import sample
 from jpaged.sampling_batch import build_sampling_tensors
-from jpaged.utils import next_power_of_two
-
-
-def bucket(n: int, minimum: int = 1) -> int:
-    """The smallest power of two >= max(n, minimum); 0 stays 0 when minimum is 0."""
-    n = max(n, minimum)
-    return 0 if n == 0 else next_power_of_two(n)
-
-
-def _padded_ids(values: list[int], minimum: int, fill: int = -1) -> np.ndarray:
-    """int32 ids padded with ``fill`` to a power-of-two length (at least ``minimum``)."""
-    out = np.full(bucket(len(values), minimum), fill, np.int32)
-    out[:len(values)] = values
-    return out
-
-
-def _pad(rows: list, width: int, fill: int) -> np.ndarray:
-    out = np.full((len(rows), width), fill, np.int32)
-    for i, r in enumerate(rows):
-        out[i, :len(r)] = r
-    return out
+from jpaged.utils import bucket, pad_rows, padded_ids
 
 
 @dataclasses.dataclass
@@ -141,7 +121,7 @@ class ModelRunner:
         """All copy-on-write copies of one step, in one call."""
         if not copies:
             return
-        src, dst = (_padded_ids(list(ids), 4) for ids in zip(*copies))
+        src, dst = (padded_ids(list(ids), 4) for ids in zip(*copies))
         with jax.set_mesh(self.mesh):
             self.kv_caches = self._call("copy", self._copy, self.kv_caches, src, dst, num_fixed=1)
 
@@ -150,7 +130,7 @@ class ModelRunner:
         if not swaps:
             return
         blocks = [b for _, table in swaps for b in table]
-        data = np.asarray(self._gather(self.kv_caches, _padded_ids(blocks, 4, fill=0)))
+        data = np.asarray(self._gather(self.kv_caches, padded_ids(blocks, 4, fill=0)))
         start = 0
         for seq_id, table in swaps:
             self.host_blocks[seq_id] = data[:, :, :, start:start + len(table)]
@@ -161,7 +141,7 @@ class ModelRunner:
         if not swaps:
             return
         data = np.concatenate([self.host_blocks.pop(seq_id) for seq_id, _ in swaps], axis=3)
-        blocks = _padded_ids([b for _, table in swaps for b in table], 4)
+        blocks = padded_ids([b for _, table in swaps for b in table], 4)
         pad = np.zeros(data.shape[:3] + (len(blocks) - data.shape[3],) + data.shape[4:], data.dtype)
         self.kv_caches = self._scatter(self.kv_caches, blocks, np.concatenate([data, pad], axis=3))
 
@@ -211,7 +191,7 @@ class ModelRunner:
             slot_mapping=np.concatenate(slots + [np.full(t_pad - t, -1, np.int32)]),
             query_start_loc=qsl,
             seq_lens=np.array(seq_lens + [0] * (s_pad - s), np.int32),
-            block_tables=_pad(tables + [[]] * (s_pad - s), b_pad, 0),
+            block_tables=pad_rows(tables, s_pad, b_pad, fill=0),
             num_seqs=s)
         ids = np.zeros(t_pad, np.int32)
         ids[:t] = input_ids
@@ -220,4 +200,4 @@ class ModelRunner:
             [(r.request, r.position) for r in rows],
             [query_start_loc[r.seq_row] + r.position - out.seqs[r.seq_row].start for r in rows],
             [r.target for r in rows])
-        return ids, md, _padded_ids(logits_indices, 8, fill=0), prompt_lp
+        return ids, md, padded_ids(logits_indices, 8, fill=0), prompt_lp

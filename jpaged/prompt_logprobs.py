@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jpaged.utils import bucket, padded_ids
+
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["indices", "targets"],
                    meta_fields=["num_logprobs"])
@@ -49,10 +51,8 @@ def build(rows: list[tuple], indices: list[int], targets: list[int]) -> PromptLo
     """``rows``: (request, position) per index. None when no row of the step asks."""
     if not rows:
         return None
-    size = 1 << (len(indices) - 1).bit_length()
-    pad = lambda v: np.array(v + [0] * (size - len(v)), np.int32)  # noqa: E731
     k = max(r.sampling_params.prompt_logprobs for r, _ in rows)
-    return PromptLogprobTensors(pad(indices), pad(targets), 0 if k == 0 else 1 << (k - 1).bit_length())
+    return PromptLogprobTensors(padded_ids(indices, fill=0), padded_ids(targets, fill=0), bucket(k, 0))
 
 
 def record(rows: list[tuple], targets: list[int], results) -> None:

@@ -9,18 +9,9 @@ import numpy as np
 
 from jpaged import structured_output
 from jpaged.sampler import SamplingTensors
+from jpaged.utils import bucket, pad_rows
 
 
-def _bucket(n: int) -> int:
-    return 0 if n <= 0 else 1 << (n - 1).bit_length()
-
-
-def _pad_rows(rows: list, s_pad: int, fill=-1, dtype=np.int32) -> np.ndarray:
-    """[s_pad, bucket(longest)] array of the rows' lists, padded with ``fill``."""
-    out = np.full((s_pad, _bucket(max(map(len, rows), default=0))), fill, dtype)
-    for i, r in enumerate(rows):
-        out[i, :len(r)] = r
-    return out
 
 
 def banned_tokens(request, seq) -> list[int]:
@@ -80,8 +71,8 @@ def build_sampling_tensors(rows, s_pad: int, engine_seed: int) -> SamplingTensor
         seeds.append(zlib.crc32(f"{base}/{row.sample_index}".encode()))
     use_penalties = any(p.uses_penalties for p in params)
     empty = np.zeros((s_pad, 0), np.int32)
-    out_ids = _pad_rows([row.seq.output_token_ids for row in rows], s_pad) if use_penalties else empty
-    prompt_ids = (_pad_rows([row.seq.token_ids[:row.seq.num_prompt_tokens] for row in rows], s_pad)
+    out_ids = pad_rows([row.seq.output_token_ids for row in rows], s_pad) if use_penalties else empty
+    prompt_ids = (pad_rows([row.seq.token_ids[:row.seq.num_prompt_tokens] for row in rows], s_pad)
                   if use_penalties else empty)
     biases = [sorted((p.logit_bias or {}).items()) for p in params]
     allowed = [list(p.allowed_token_ids or []) for p in params]
@@ -97,13 +88,13 @@ def build_sampling_tensors(rows, s_pad: int, engine_seed: int) -> SamplingTensor
         repetition_penalty=f32([p.repetition_penalty for p in params], 1.0),
         output_token_ids=out_ids,
         prompt_token_ids=prompt_ids,
-        banned_token_ids=_pad_rows([banned_tokens(row.request, row.seq) for row in rows], s_pad),
-        bias_token_ids=_pad_rows([[t for t, _ in b] for b in biases], s_pad),
-        bias_values=_pad_rows([[v for _, v in b] for b in biases], s_pad, 0.0, np.float32),
-        allowed_token_ids=_pad_rows(allowed, s_pad),
+        banned_token_ids=pad_rows([banned_tokens(row.request, row.seq) for row in rows], s_pad),
+        bias_token_ids=pad_rows([[t for t, _ in b] for b in biases], s_pad),
+        bias_values=pad_rows([[v for _, v in b] for b in biases], s_pad, fill=0.0, dtype=np.float32),
+        allowed_token_ids=pad_rows(allowed, s_pad),
         has_allowed=np.array([bool(a) for a in allowed] + [False] * pad),
         token_bitmask=_token_bitmask(rows, s_pad),
-        num_logprobs=_bucket(max(((p.logprobs or 0) for p in params), default=0)),
+        num_logprobs=bucket(max(((p.logprobs or 0) for p in params), default=0), 0),
         use_filters=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
         use_penalties=use_penalties,
         all_greedy=all(p.temperature == 0 for p in params))

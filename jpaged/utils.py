@@ -2,6 +2,8 @@
 import ctypes
 import json
 
+import numpy as np
+
 
 def cdiv(a: int, b: int) -> int:
     """Ceiling division."""
@@ -11,6 +13,32 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_two(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(0, n - 1).bit_length()
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """The smallest power of two >= max(n, minimum); 0 stays 0 when minimum is 0.
+
+    Host arrays are padded to these sizes so the jitted step sees few distinct shapes."""
+    n = max(n, minimum)
+    return 0 if n == 0 else next_power_of_two(n)
+
+
+def padded_ids(values: list[int], minimum: int = 1, fill: int = -1) -> np.ndarray:
+    """int32 ids padded with ``fill`` to a power-of-two length (at least ``minimum``)."""
+    out = np.full(bucket(len(values), minimum), fill, np.int32)
+    out[:len(values)] = values
+    return out
+
+
+def pad_rows(rows: list, num_rows: int, width: int | None = None, fill=-1, dtype=np.int32) -> np.ndarray:
+    """``[num_rows, width]`` array of the rows' lists padded with ``fill``; ``width`` defaults to the
+    power-of-two bucket of the longest row (0 when every row is empty)."""
+    if width is None:
+        width = bucket(max(map(len, rows), default=0), 0)
+    out = np.full((num_rows, width), fill, dtype)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return out
 
 
 def release_free_host_memory() -> None:
