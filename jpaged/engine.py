@@ -300,15 +300,7 @@ class LLMEngine:
         """
         logger.error("engine step failed; ending its %d request(s): %r", len(out.requests), error)
         self.num_failed_steps += 1
-        outputs = []
-        for sr in out.requests:
-            request = sr.request
-            if request.beam is not None:
-                request.beam.done = True
-            for seq in request.live_seqs:
-                seq.finish_reason, seq.stop_reason = "error", repr(error)
-            self._end(request)
-            outputs.append(self._output(request))
+        outputs = [self._end_with_error(sr.request, repr(error)) for sr in out.requests]
         if self.runner.kv_pool_lost():
             self.scheduler.preempt_all()
             self.runner.reset_kv_pool()
@@ -322,13 +314,17 @@ class LLMEngine:
         if sched.running or not sched.waiting:
             return []
         request = sched.waiting[0]
-        for seq in request.live_seqs:
-            seq.finish_reason, seq.stop_reason = "error", "cannot be scheduled with these engine settings"
+        logger.error("request %s cannot be scheduled with these engine settings; ended", request.request_id)
+        return [self._end_with_error(request, "cannot be scheduled with these engine settings")]
+
+    def _end_with_error(self, request: Request, reason: str) -> RequestOutput:
+        """Ends a request with finish_reason "error" (beams too) and returns its last output."""
+        for seq in request.live_seqs:  # before a beam search is marked done: then it has none live
+            seq.finish_reason, seq.stop_reason = "error", reason
         if request.beam is not None:
             request.beam.done = True
         self._end(request)
-        logger.error("request %s cannot be scheduled with these engine settings; ended", request.request_id)
-        return [self._output(request)]
+        return self._output(request)
 
     def _detokenize(self, request: Request, seq: Sequence) -> None:
         """Grows the sequence's text; a stop string ends it. A stop token's text is left out."""
