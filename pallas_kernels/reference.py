@@ -11,14 +11,15 @@ Attention does work in proportion to each sequence's real context, not to the pa
   token (decode) is a chunk of width 1; a sequence with more is cut into chunks of
   ``num_queries_per_block`` tokens (prefill). The split is computed in the graph from
   ``query_start_loc`` and ``seq_lens``, so it needs no metadata beyond the kernels'.
-* Chunks are sorted longest context first and processed a batch at a time. Decode rows are one
-  batch, except the longest, which runs alone (a long row never makes the short ones loop long,
-  and a lone row computes no padding rows); prefill chunks go in batches of ``PREFILL_BATCH``
-  (a dynamic loop over the real ones). For a batch, a loop walks its block tables
-  ``pages_per_compute_block`` blocks at a time with an online (flash) softmax; its trip count is
-  ``ceil(longest context in the batch / (pages * block_size))``, computed at run time. Both loop
-  counts are dynamic (``lax.while_loop``), so padding rows, an empty prefill part and unused
-  block-table columns cost nothing, and none adds a shape to compile.
+* Chunks are sorted longest context first and processed a batch at a time: decode rows in batches
+  of ``DECODE_ROWS``, prefill chunks in batches of ``PREFILL_BATCH``, in a dynamic loop over the
+  real ones (with a single batch, the longest chunk runs alone, so it never makes the short ones
+  loop long). For a batch, a loop walks its block tables ``pages_per_compute_block`` blocks at a
+  time with an online (flash) softmax; its trip count is ``ceil(longest context in the batch /
+  (pages * block_size))``, computed at run time. Both loop counts are dynamic
+  (``lax.while_loop``), so padding rows, an empty prefill part and unused block-table columns cost
+  nothing, and none adds a shape to compile; sorted batches make each row's work track its own
+  context, not the step's longest.
 * Cache updates are XLA scatters; padding entries (negative ids) are dropped by pointing them out of
   bounds with ``mode="drop"``.
 
@@ -43,6 +44,7 @@ from pallas_kernels._common import DEFAULT_MASK_VALUE, cdiv
 PAGES_PER_STEP = 4       # blocks per online-softmax step
 PREFILL_CHUNK = 16       # query tokens per prefill chunk
 PREFILL_BATCH = 8        # prefill chunks per batch
+DECODE_ROWS = 8          # decode rows per batch
 
 
 def _attend_chunks(out, q, k_pages, v_pages, tables, first_token, first_pos,
@@ -151,7 +153,7 @@ def ragged_attention(q, k_pages, v_pages, block_tables, seq_lens,
   out = _attend_chunks(
       out, q, k_pages, v_pages, tables[order], qsl[order], seq_lens[order] - 1,
       is_decode[order].astype(jnp.int32), jnp.sum(is_decode), width=1,
-      rows=max_seqs, pages=pages, scale=scale)
+      rows=DECODE_ROWS, pages=pages, scale=scale)
 
   # Prefill: chunks of `prefill_chunk` tokens, longest context first.
   # Sequence s has ceil(q_len / W) of them; the static count bounds every
