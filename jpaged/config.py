@@ -76,6 +76,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     compilation_cache_dir: str | None = None  # None: ~/.cache/jpaged/jax
+    precompile: bool = False  # compile every step shape at start (servers): none compiles while serving
 
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

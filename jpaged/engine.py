@@ -25,6 +25,7 @@ from jpaged.model_runner import ModelRunner
 from jpaged.outputs import CompletionOutput, RequestOutput
 from jpaged.request import Request, Sequence
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
+from jpaged.step_timing import StepTimings
 from jpaged.utils import cdiv, release_free_host_memory
 
 logger = logging.getLogger("jpaged")
@@ -41,7 +42,7 @@ def enable_compilation_cache(path: str | None) -> None:
         return
     path = path or os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "jax")
     jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.05)
 
 
 class LLMEngine:
@@ -79,11 +80,13 @@ class LLMEngine:
                                    preemption_mode=cc.preemption_mode,
                                    swap_capacity_blocks=cc.swap_space_bytes // self._kv_bytes_per_block())
         self.runner = ModelRunner(model, num_blocks=self.num_blocks, block_size=cc.block_size,
-                                  dtype=self.dtype, mesh=self.mesh, seed=config.seed)
+                                  dtype=self.dtype, mesh=self.mesh, seed=config.seed,
+                                  max_num_seqs=sc.max_num_seqs, max_model_len=self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.peak_kv_cache_usage = 0.0
         self.num_failed_steps = 0
         self._warm_up()
+        self.step_timings = StepTimings()  # of the steps since start (see get_metrics)
 
     # Set-up --------------------------------------------------------------------------------------
     def _load(self, model, tokenizer):
@@ -137,11 +140,34 @@ class LLMEngine:
         return int(n)
 
     def _warm_up(self) -> None:
-        """Compiles the smallest step (one decode-shaped row, writing into block 0, which is free)."""
+        """Compiles the smallest step; with ``precompile``, every step shape the settings allow.
+
+        Dummy steps write into block 0 (free: nothing reads it before its owner writes it); a
+        step's shapes depend only on its token count, sampled rows and sampling options
+        (`ModelRunner.buckets`), so one step per token bucket, then the logits and sampler of each
+        row count (greedy and sampled, without penalties or filters), cover the steady state.
+        """
+        start = time.perf_counter()
+        runner = self.runner
+        sc = self.config.scheduler
+        max_tokens = sc.max_num_batched_tokens if self.config.precompile else 1
         request = Request("warmup", None, [0], SamplingParams(temperature=0.0, max_tokens=1))
+        for t_pad in runner.token_buckets(max_tokens):
+            runner.execute(self._dummy_step(request, t_pad))
+        if self.config.precompile:
+            runner.compile_heads(max_tokens, sc.max_num_seqs)
+            logger.info("precompiled %d step shapes in %.1f s", runner.num_compilations,
+                        time.perf_counter() - start)
+
+    def _dummy_step(self, request: Request, num_tokens: int) -> SchedulerOutput:
+        """A step of ``num_tokens`` tokens in as few sequences as ``max_model_len`` allows, all in
+        block 0."""
         seq = request.seqs[0]
-        self.runner.execute(SchedulerOutput(seqs=[ScheduledSeq([0], 0, [0])],
-                                            sample_rows=[SampleRow(request, seq, 0, 0)]))
+        per_seq = min(num_tokens, self.max_model_len)
+        lengths = [per_seq] * (num_tokens // per_seq) + ([num_tokens % per_seq] if num_tokens % per_seq else [])
+        bs = self.config.cache.block_size
+        seqs = [ScheduledSeq([0] * n, 0, [0] * cdiv(n, bs)) for n in lengths]
+        return SchedulerOutput(seqs=seqs, sample_rows=[SampleRow(request, seq, 0, 0)])
 
     # Requests ---------------------------------------------------------------------------------------
     def tokenize(self, prompt) -> tuple[str | None, list[int], str | None]:
@@ -268,7 +294,9 @@ class LLMEngine:
     # The loop ---------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduling + model step; outputs of every request that advanced (or ended)."""
+        start = time.perf_counter()
         out = self.scheduler.schedule()
+        scheduled = time.perf_counter()
         self.peak_kv_cache_usage = max(self.peak_kv_cache_usage, self.kv_cache.usage())
         if not out.requests:
             return self._fail_unschedulable()
@@ -289,6 +317,9 @@ class LLMEngine:
             if request.finished:
                 self._end(request)
             outputs.append(self._output(request))
+        self.step_timings.add(sum(len(s.token_ids) for s in out.seqs), schedule=scheduled - start,
+                              prepare=result.prepare_seconds, device=result.device_seconds,
+                              post=time.perf_counter() - scheduled - result.prepare_seconds - result.device_seconds)
         return outputs
 
     def _fail_step(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
