@@ -33,23 +33,32 @@ class StepResult:
     prompt_logprobs: tuple | None = None  # (target logprobs, top ids, top logprobs) per prompt row
 
 
+# A layer's cache is a tuple of pool arrays that all lead with [Hkv, num_blocks, block_size]:
+# (k_pages, v_pages), or with 8-bit pages (k_pages, v_pages, k_scales, v_scales). Block moves treat
+# every array alike, so scales always travel with their pages.
+
 def _gather_blocks(kv_caches, blocks):
-    """[L, 2, Hkv, len(blocks), block_size, D]: the blocks of every layer, for the host."""
-    return jnp.stack([jnp.stack([k[:, blocks], v[:, blocks]]) for k, v in kv_caches])
+    """The blocks of every layer, for the host: one [L, Hkv, len(blocks), block_size, ...] array per
+    pool array of a layer (K and V pages, then scales)."""
+    return tuple(jnp.stack([layer[i][:, blocks] for layer in kv_caches]) for i in range(len(kv_caches[0])))
 
 
 def _scatter_blocks(kv_caches, blocks, data):
+    """Writes `_gather_blocks`'s ``data`` into ``blocks`` (negative ids: dropped)."""
     nb = kv_caches[0][0].shape[1]
     dst = jnp.where(blocks < 0, nb, blocks)
-    return [(k.at[:, dst].set(data[i, 0], mode="drop"), v.at[:, dst].set(data[i, 1], mode="drop"))
-            for i, (k, v) in enumerate(kv_caches)]
+    return [tuple(x.at[:, dst].set(d[l], mode="drop") for x, d in zip(layer, data))
+            for l, layer in enumerate(kv_caches)]
 
 
 def _copy_blocks(kv_caches, src, dst):
-    copy = pallas_kernels.copy_blocks
+    def copy(layer, src, dst):
+        return pallas_kernels.copy_blocks(*layer[:2], src, dst, **dict(zip(("k_scales", "v_scales"), layer[2:])))
+
     if sharding.model_axis_size() > 1:  # the kernel copies each device's slice of the blocks
-        copy = sharding.shard_heads(copy, num_args_sharded=2)
-    return [copy(k, v, src, dst) for k, v in kv_caches]
+        copy = sharding.shard_heads(copy, (sharding.POOL, sharding.REPLICATED, sharding.REPLICATED),
+                                    sharding.POOL)
+    return [copy(tuple(layer), src, dst) for layer in kv_caches]
 
 
 class ModelRunner:
@@ -59,7 +68,10 @@ class ModelRunner:
     tables, copies, swaps, sample rows), never the scheduler or the KV cache manager.
     """
 
-    def __init__(self, model, *, num_blocks: int, block_size: int, dtype, mesh, seed: int = 0):
+    def __init__(self, model, *, num_blocks: int, block_size: int, dtype, mesh, seed: int = 0,
+                 kv_cache_dtype=None):
+        """``dtype``: the KV pages' dtype; ``kv_cache_dtype`` (int8 or float8_e4m3fn), when given,
+        overrides it with 8-bit pages plus per-(token, head) scales."""
         self.config = model.config
         self.mesh = mesh
         self.attention_backend = attention_backend_of(model)
@@ -67,29 +79,33 @@ class ModelRunner:
         self.graphdef, self.state = graphdef, sharding.shard_state(state, mesh)
         self.block_size = block_size
         self.num_blocks, self.dtype = num_blocks, dtype
+        self.kv_cache_dtype = kv_cache_dtype if kv_cache_dtype is not None else dtype
         self.seed = seed
         self.kv_caches = self._new_kv_pool()
         replicated = NamedSharding(mesh, P())
-        pool = sharding.kv_pool_sharding(mesh)
-        self._forward = jax.jit(self._forward_fn, donate_argnums=(1,),
-                                out_shardings=(replicated, jax.tree.map(lambda _: pool, self.kv_caches)))
+        pool = jax.tree.map(lambda x: sharding.kv_pool_sharding(mesh, x.ndim), self.kv_caches)
+        self._forward = jax.jit(self._forward_fn, donate_argnums=(1,), out_shardings=(replicated, pool))
         self._sample = jax.jit(sample)
         self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
         self._gather = jax.jit(_gather_blocks, out_shardings=replicated)
         self._scatter = jax.jit(_scatter_blocks, donate_argnums=(0,))
-        self.host_blocks: dict[int, np.ndarray] = {}  # seq_id -> swapped-out blocks (host memory)
+        self.host_blocks: dict[int, tuple] = {}  # seq_id -> swapped-out blocks per pool array (host memory)
         self._signatures: set = set()  # distinct argument shapes seen by each jitted function
 
     def _new_kv_pool(self):
+        """Per layer ``(k_pages, v_pages)``, or with 8-bit pages ``(k_pages, v_pages, k_scales,
+        v_scales)`` (scales ``[Hkv, num_blocks, block_size]``, `pallas_kernels.SCALE_DTYPE`)."""
         c = self.config
         shape = (c.num_kv_heads, self.num_blocks, self.block_size, c.head_dim)
-        pool = sharding.kv_pool_sharding(self.mesh)
-        return [(sharding.zeros_sharded(shape, self.dtype, pool), sharding.zeros_sharded(shape, self.dtype, pool))
+        arrays = [(shape, self.kv_cache_dtype)] * 2
+        if pallas_kernels.quant.is_quantized(self.kv_cache_dtype):
+            arrays += [(shape[:3], pallas_kernels.SCALE_DTYPE)] * 2
+        return [tuple(sharding.zeros_sharded(s, dt, sharding.kv_pool_sharding(self.mesh, len(s))) for s, dt in arrays)
                 for _ in range(c.num_layers)]
 
     def kv_pool_lost(self) -> bool:
         """Whether a failed step consumed the donated pool (then `reset_kv_pool` makes a new one)."""
-        return any(k.is_deleted() or v.is_deleted() for k, v in self.kv_caches)
+        return any(x.is_deleted() for layer in self.kv_caches for x in layer)
 
     def reset_kv_pool(self) -> None:
         self.kv_caches = self._new_kv_pool()
@@ -130,20 +146,24 @@ class ModelRunner:
         if not swaps:
             return
         blocks = [b for _, table in swaps for b in table]
-        data = np.asarray(self._gather(self.kv_caches, padded_ids(blocks, 4, fill=0)))
+        data = jax.device_get(self._gather(self.kv_caches, padded_ids(blocks, 4, fill=0)))
         start = 0
-        for seq_id, table in swaps:
-            self.host_blocks[seq_id] = data[:, :, :, start:start + len(table)]
+        for seq_id, table in swaps:  # each array: [L, Hkv, blocks, block_size, ...]
+            self.host_blocks[seq_id] = tuple(d[:, :, start:start + len(table)] for d in data)
             start += len(table)
 
     def swap_in(self, swaps: list[tuple[int, list[int]]]) -> None:
         """Writes swapped sequences back into their new blocks (one host -> device transfer)."""
         if not swaps:
             return
-        data = np.concatenate([self.host_blocks.pop(seq_id) for seq_id, _ in swaps], axis=3)
+        parts = [self.host_blocks.pop(seq_id) for seq_id, _ in swaps]
         blocks = padded_ids([b for _, table in swaps for b in table], 4)
-        pad = np.zeros(data.shape[:3] + (len(blocks) - data.shape[3],) + data.shape[4:], data.dtype)
-        self.kv_caches = self._scatter(self.kv_caches, blocks, np.concatenate([data, pad], axis=3))
+        data = []
+        for arrays in zip(*parts):  # each pool array: [L, Hkv, blocks, block_size, ...]
+            d = np.concatenate(arrays, axis=2)
+            pad = np.zeros(d.shape[:2] + (len(blocks) - d.shape[2],) + d.shape[3:], d.dtype)
+            data.append(np.concatenate([d, pad], axis=2))
+        self.kv_caches = self._scatter(self.kv_caches, blocks, tuple(data))
 
     def discard_swapped(self, seq_ids) -> None:
         for seq_id in seq_ids:
