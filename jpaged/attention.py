@@ -120,10 +120,6 @@ BACKENDS = {"xla": (pallas_kernels.write_kv_reference, xla_paged_attention),
             "pallas": (pallas_write_kv, pallas_paged_attention)}
 
 
-def _scales_kw(kv_cache) -> dict:
-    """``k_scales=``/``v_scales=`` of a layer cache with 8-bit pages; {} for ``(k_pages, v_pages)``."""
-    return dict(zip(("k_scales", "v_scales"), kv_cache[2:]))
-
 
 class PagedAttention(nnx.Module):
     """Writes K/V for this step's tokens into the paged cache and attends through block tables.
@@ -147,8 +143,9 @@ class PagedAttention(nnx.Module):
         write, attend = BACKENDS[self.backend]
 
         def write_and_attend(q, k, v, kv_cache, md):
-            kv_cache = tuple(write(*kv_cache[:2], k, v, md.slot_mapping, **_scales_kw(kv_cache)))
-            return attend(q, *kv_cache[:2], md, scale=self.scale, **_scales_kw(kv_cache)), kv_cache
+            scales_of = pallas_kernels.quant.scales_of
+            kv_cache = tuple(write(*kv_cache[:2], k, v, md.slot_mapping, **scales_of(kv_cache)))
+            return attend(q, *kv_cache[:2], md, scale=self.scale, **scales_of(kv_cache)), kv_cache
 
         if sharding.model_axis_size() > 1:  # each device attends with its own heads and pool slice
             heads, pool, replicated = sharding.HEADS, sharding.POOL, sharding.REPLICATED

@@ -109,21 +109,13 @@ class LLMEngine:
                              "cannot be split; load it by path to replicate KV heads")
         return model, tokenizer
 
-    def _kv_bytes_per_token_head(self) -> int:
-        """Bytes of one token's K (or V) row of one KV head: ``head_dim`` values, plus their scale
-        with 8-bit pages."""
-        row = self.model_config.head_dim * jnp.dtype(self.kv_cache_dtype).itemsize
-        if pallas_kernels.quant.is_quantized(self.kv_cache_dtype):
-            row += jnp.dtype(pallas_kernels.SCALE_DTYPE).itemsize
-        return row
-
     def _kv_bytes_per_block(self) -> int:
         """Bytes of one block on one device (its heads' slice, KV-head replication included), scales
         of 8-bit pages included."""
         mc = self.model_config
         heads_per_device = max(1, mc.num_kv_heads // self.config.tensor_parallel_size)
         return (2 * mc.num_layers * heads_per_device * self.config.cache.block_size
-                * self._kv_bytes_per_token_head())
+                * pallas_kernels.quant.bytes_per_row(mc.head_dim, self.kv_cache_dtype))
 
     def _num_blocks(self) -> int:
         """Pool size: ``num_kv_blocks``, else a byte budget (``kv_cache_memory_bytes``, else the

@@ -47,13 +47,13 @@ def _scatter_blocks(kv_caches, blocks, data):
     """Writes `_gather_blocks`'s ``data`` into ``blocks`` (negative ids: dropped)."""
     nb = kv_caches[0][0].shape[1]
     dst = jnp.where(blocks < 0, nb, blocks)
-    return [tuple(x.at[:, dst].set(d[l], mode="drop") for x, d in zip(layer, data))
-            for l, layer in enumerate(kv_caches)]
+    return [tuple(x.at[:, dst].set(d[i], mode="drop") for x, d in zip(layer, data))
+            for i, layer in enumerate(kv_caches)]
 
 
 def _copy_blocks(kv_caches, src, dst):
     def copy(layer, src, dst):
-        return pallas_kernels.copy_blocks(*layer[:2], src, dst, **dict(zip(("k_scales", "v_scales"), layer[2:])))
+        return pallas_kernels.copy_blocks(*layer[:2], src, dst, **pallas_kernels.quant.scales_of(layer))
 
     if sharding.model_axis_size() > 1:  # the kernel copies each device's slice of the blocks
         copy = sharding.shard_heads(copy, (sharding.POOL, sharding.REPLICATED, sharding.REPLICATED),

@@ -111,7 +111,7 @@ def check_attention_shapes(q, k_pages, v_pages, block_tables, seq_lens):
                      f"{seq_lens.shape}")
 
 
-def scales_kw(reference_fn, num_leading: int, **kw):
+def with_scale_args(reference_fn, num_leading: int, **kw):
   """``reference_fn`` called with the scales of 8-bit pages as trailing
   positional arguments after ``num_leading`` others (how ``dispatch`` passes
   them: ``lax.platform_dependent`` takes positional operands only), turned

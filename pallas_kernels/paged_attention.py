@@ -63,7 +63,7 @@ from pallas_kernels import reference
 from pallas_kernels._common import (
     PageCopies, check_attention_shapes, dispatch, finalize_softmax, gpu_call,
     gpu_supported, init_softmax_carry, next_power_of_2, online_softmax_step,
-    qk_logits, scale_row, scales_kw, tpu_call)
+    qk_logits, scale_row, with_scale_args, tpu_call)
 from pallas_kernels import quant
 
 
@@ -297,5 +297,5 @@ def paged_attention(
       tpu=functools.partial(_paged_attention_tpu, **knobs),
       gpu=(functools.partial(_paged_attention_gpu, **knobs)
            if gpu_supported(head_dim, block_size) else None),
-      xla=scales_kw(reference.paged_attention_reference, 5, scale=scale))
+      xla=with_scale_args(reference.paged_attention_reference, 5, scale=scale))
   return impl(q, k_pages, v_pages, block_tables, seq_lens, *scales)

@@ -102,3 +102,17 @@ def pools_of(k_pages, v_pages, k_scales, v_scales):
     return k_pages, v_pages
   check_quantized((k_pages, v_pages), (k_scales, v_scales))
   return k_pages, v_pages, k_scales, v_scales
+
+
+def bytes_per_row(head_dim: int, dtype) -> int:
+  """Bytes one token's K (or V) row of one kv head costs in a pool of
+  ``dtype`` pages: ``head_dim`` values, plus the scale of 8-bit pages."""
+  row = head_dim * jnp.dtype(dtype).itemsize
+  return row + (jnp.dtype(SCALE_DTYPE).itemsize if is_quantized(dtype) else 0)
+
+
+def scales_of(kv_cache) -> dict:
+  """``k_scales=``/``v_scales=`` keywords of a layer cache tuple: ``{}`` for
+  ``(k_pages, v_pages)``, its last two arrays for ``(k_pages, v_pages,
+  k_scales, v_scales)``."""
+  return dict(zip(("k_scales", "v_scales"), kv_cache[2:]))

@@ -52,7 +52,7 @@ from pallas_kernels import reference
 from pallas_kernels._common import (
     PageCopies, check_attention_shapes, dispatch, finalize_softmax, gpu_call,
     gpu_supported, init_softmax_carry, next_power_of_2, online_softmax_step,
-    qk_logits, scale_row, scales_kw, tpu_call)
+    qk_logits, scale_row, with_scale_args, tpu_call)
 from pallas_kernels import quant
 
 
@@ -408,7 +408,7 @@ def ragged_paged_attention(
       backend, interpret,
       tpu=functools.partial(_ragged_tpu, **knobs) if tpu_ok else None,
       gpu=functools.partial(_ragged_gpu, **knobs) if gpu_ok else None,
-      xla=scales_kw(reference.ragged_paged_attention_reference, 7,
+      xla=with_scale_args(reference.ragged_paged_attention_reference, 7,
                     scale=scale))
   return impl(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
               num_seqs, *scales)

@@ -5,7 +5,6 @@ Layers, as in ``test_kernels.py``: ``quant.quantize`` is checked against its err
 reference with 8-bit pages against float attention (and exactly against the reference on the
 dequantized pages); the Pallas kernels, interpreted, against the reference on the same 8-bit pages.
 """
-import functools
 import os
 
 import jax
@@ -66,9 +65,11 @@ def test_kv_bytes_per_token_meet_the_targets():
     """head_dim 64: 8-bit values + a 2-byte scale per (token, head) = 66 bytes vs 256 (f32), 128 (bf16);
     a float32 scale (68 bytes) would miss 3.8x."""
     d = 64
-    row = d * 1 + jnp.dtype(pk.SCALE_DTYPE).itemsize
-    assert d * 4 / row >= 3.8 and d * 2 / row >= 1.9
-    assert d * 4 / (d + 4) < 3.8
+    row = pk.quant.bytes_per_row(d, jnp.int8)
+    assert row == pk.quant.bytes_per_row(d, jnp.float8_e4m3fn) == 66
+    assert pk.quant.bytes_per_row(d, jnp.float32) == 256 and pk.quant.bytes_per_row(d, jnp.bfloat16) == 128
+    assert 256 / row >= 3.8 and 128 / row >= 1.9
+    assert 256 / (d + 4) < 3.8
 
 
 # ---------------------------------------------------------------------------
