@@ -3,7 +3,7 @@ throughput at one fixed KV memory budget.
 
   python scripts/kv_quant_report.py                       # table, then the measurement on CPU
   python scripts/kv_quant_report.py --measure=false       # table only
-  python scripts/kv_quant_report.py --kv_cache_memory_bytes 4194304 --num_requests 48
+  python scripts/kv_quant_report.py --kv_cache_memory_bytes 4194304 --num_requests 128
 
 The table uses the engine's own accounting (`pallas_kernels.quant.bytes_per_row`: ``head_dim``
 values per token and KV head, plus a bfloat16 scale for int8/fp8) for bench-llama and two real
@@ -23,12 +23,12 @@ from bench_common import BENCH_LLAMA
 
 F = flags.FLAGS
 flags.DEFINE_string("model", None, "benchmark_throughput.py --model (default: bench-llama)")
-flags.DEFINE_integer("kv_cache_memory_bytes", 4 << 20, "The fixed KV memory budget (per device)")
+flags.DEFINE_integer("kv_cache_memory_bytes", 2 << 20, "The fixed KV memory budget (per device)")
 flags.DEFINE_integer("block_size", 16, "Tokens per KV block")
 flags.DEFINE_bool("measure", True, "Also run benchmark_throughput.py at the budget")
 flags.DEFINE_enum("quantized", "int8", ["int8", "fp8"], "The 8-bit dtype measured against auto")
 flags.DEFINE_string("workload", "sharegpt-like", "benchmark_throughput.py --workload")
-flags.DEFINE_integer("num_requests", 32, "benchmark_throughput.py --num_requests")
+flags.DEFINE_integer("num_requests", 64, "benchmark_throughput.py --num_requests")
 flags.DEFINE_float("length_scale", 0.1, "benchmark_throughput.py --length_scale (CPU: small)")
 flags.DEFINE_integer("max_model_len", 256, "benchmark_throughput.py --max_model_len")
 
