@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_kernels
 from jpaged import beam_search, sharding
-from jpaged.config import DTYPES, EngineConfig
+from jpaged.config import DTYPES, EngineConfig, check_kv_cache_dtype
 from jpaged.core.kv_cache_manager import KVCacheManager
 from jpaged.core.scheduler import SampleRow, Scheduler, SchedulerOutput, ScheduledSeq
 from jpaged.detokenizer import IncrementalDetokenizer
@@ -57,6 +58,11 @@ class LLMEngine:
             jnp.float32 if platform == "cpu" else jnp.bfloat16)
         backend = config.attention_backend
         self.attention_backend = backend if backend != "auto" else ("pallas" if platform in ("tpu", "gpu") else "xla")
+        kv_name = config.cache.kv_cache_dtype
+        check_kv_cache_dtype(kv_name, self.attention_backend, platform,
+                             getattr(self.mesh.devices.flat[0], "compute_capability", None))
+        # The KV pages' dtype: the model's ("auto"), or 8-bit with a scale per (token, kv head).
+        self.kv_cache_dtype = self.dtype if kv_name == "auto" else pallas_kernels.KV_DTYPES[kv_name]
         model, self.tokenizer = self._load(model, tokenizer)
         release_free_host_memory()
         mc = self.model_config = model.config
@@ -81,7 +87,8 @@ class LLMEngine:
                                    swap_capacity_blocks=cc.swap_space_bytes // self._kv_bytes_per_block())
         self.runner = ModelRunner(model, num_blocks=self.num_blocks, block_size=cc.block_size,
                                   dtype=self.dtype, mesh=self.mesh, seed=config.seed,
-                                  max_num_seqs=sc.max_num_seqs, max_model_len=self.max_model_len)
+                                  max_num_seqs=sc.max_num_seqs, max_model_len=self.max_model_len,
+                                  kv_cache_dtype=self.kv_cache_dtype)
         self.requests: dict[str, Request] = {}
         self.peak_kv_cache_usage = 0.0
         self.num_failed_steps = 0
@@ -106,11 +113,12 @@ class LLMEngine:
         return model, tokenizer
 
     def _kv_bytes_per_block(self) -> int:
-        """Bytes of one block on one device (its heads' slice, KV-head replication included)."""
+        """Bytes of one block on one device (its heads' slice, KV-head replication included), scales
+        of 8-bit pages included."""
         mc = self.model_config
         heads_per_device = max(1, mc.num_kv_heads // self.config.tensor_parallel_size)
-        return (2 * mc.num_layers * heads_per_device * self.config.cache.block_size * mc.head_dim
-                * jnp.dtype(self.dtype).itemsize)
+        return (2 * mc.num_layers * heads_per_device * self.config.cache.block_size
+                * pallas_kernels.quant.bytes_per_row(mc.head_dim, self.kv_cache_dtype))
 
     def _num_blocks(self) -> int:
         """Pool size: ``num_kv_blocks``, else a byte budget (``kv_cache_memory_bytes``, else the
@@ -133,10 +141,14 @@ class LLMEngine:
             n = min(budget // per_block, sc.max_num_seqs * cdiv(self.max_model_len, cc.block_size))
             if n < 1:
                 raise ValueError(f"kv_cache_memory_bytes={budget}: too small for one KV block of {per_block} bytes")
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB per device (%s); "
-                    "set num_kv_blocks or kv_cache_memory_bytes to change it",
+        kv_dtype = jnp.dtype(self.kv_cache_dtype).name
+        if pallas_kernels.quant.is_quantized(self.kv_cache_dtype):
+            kv_dtype += f" + {jnp.dtype(pallas_kernels.SCALE_DTYPE).name} scales"
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB per device (%s); %s, %d bytes "
+                    "per token per device; set num_kv_blocks or kv_cache_memory_bytes to change it",
                     n, cc.block_size, n * cc.block_size, n * per_block / 2**20,
-                    "num_kv_blocks" if cc.num_kv_blocks is not None else source)
+                    "num_kv_blocks" if cc.num_kv_blocks is not None else source, kv_dtype,
+                    per_block // cc.block_size)
         return int(n)
 
     def _warm_up(self) -> None:

@@ -23,6 +23,7 @@ from jpaged.sampler import sample
 from jpaged.sampling_batch import build_sampling_tensors
 from jpaged.utils import bucket, cdiv, pad_rows, padded_ids
 
+LAYERS_PER_CALL = 6  # one jitted call runs up to this many layers: compile cost vs dispatches
 MIN_TOKENS = 2  # XLA CPU runs [1, K] x [K, N] matmuls far slower than [2, K]
 MIN_ROWS = 2
 
@@ -44,29 +45,39 @@ def _take_rows(x, indices):
     return x[indices]
 
 
+# A layer's cache is a tuple of pool arrays that all lead with [Hkv, num_blocks, block_size]:
+# (k_pages, v_pages), or with 8-bit pages (k_pages, v_pages, k_scales, v_scales). Block moves treat
+# every array alike, so scales always travel with their pages.
+
 def _gather_blocks(kv_caches, blocks):
-    """[L, 2, Hkv, len(blocks), block_size, D]: the blocks of every layer, for the host."""
-    return jnp.stack([jnp.stack([k[:, blocks], v[:, blocks]]) for k, v in kv_caches])
+    """The blocks of every layer, for the host: one [L, Hkv, len(blocks), block_size, ...] array per
+    pool array of a layer (K and V pages, then scales)."""
+    return tuple(jnp.stack([layer[i][:, blocks] for layer in kv_caches]) for i in range(len(kv_caches[0])))
 
 
 def _scatter_blocks(kv_caches, blocks, data):
+    """Writes `_gather_blocks`'s ``data`` into ``blocks`` (negative ids: dropped)."""
     nb = kv_caches[0][0].shape[1]
     dst = jnp.where(blocks < 0, nb, blocks)
-    return [(k.at[:, dst].set(data[i, 0], mode="drop"), v.at[:, dst].set(data[i, 1], mode="drop"))
-            for i, (k, v) in enumerate(kv_caches)]
+    return [tuple(x.at[:, dst].set(d[i], mode="drop") for x, d in zip(layer, data))
+            for i, layer in enumerate(kv_caches)]
 
 
 def _copy_blocks(kv_caches, src, dst):
-    copy = pallas_kernels.copy_blocks
+    def copy(layer, src, dst):
+        return pallas_kernels.copy_blocks(*layer[:2], src, dst, **pallas_kernels.quant.scales_of(layer))
+
     if sharding.model_axis_size() > 1:  # the kernel copies each device's slice of the blocks
-        copy = sharding.shard_heads(copy, num_args_sharded=2)
-    return [copy(k, v, src, dst) for k, v in kv_caches]
+        copy = sharding.shard_heads(copy, (sharding.POOL, sharding.REPLICATED, sharding.REPLICATED),
+                                    sharding.POOL)
+    return [copy(tuple(layer), src, dst) for layer in kv_caches]
 
 
 class LayerPieces:
     """A model split into the pieces the runner jits separately: an embedding shell (the model
-    without its decoder layers), and the layers, each with its own state and grouped by structure
-    (layers of one structure share one jitted function).
+    without its decoder layers), and the layers, each with its own state, run in calls of up to
+    `LAYERS_PER_CALL` consecutive layers of one structure (calls of one structure and length share
+    one jitted function).
 
     A model takes part by providing ``embed_inputs(input_ids, positions) -> (x, extra)`` (``extra``:
     arrays every layer takes after ``x``, e.g. rotary cos/sin), ``norm_output(hidden)`` (the final
@@ -92,13 +103,23 @@ class LayerPieces:
                 treedefs.append(treedef)
             self.layer_groups.append(list(zip(graphdefs, treedefs)).index((graphdef, treedef)))
             self.layer_leaves.append(leaves)
+        self.calls = []  # (structure, first layer, end): consecutive layers of one structure
+        for i, group in enumerate(self.layer_groups):
+            last = self.calls[-1] if self.calls else None
+            if last and last[0] == group and last[2] == i and i - last[1] < LAYERS_PER_CALL:
+                self.calls[-1] = (group, last[1], i + 1)
+            else:
+                self.calls.append((group, i, i + 1))
 
         def embed(shell_state, input_ids, positions):
             return nnx.merge(shell_graphdef, shell_state).embed_inputs(input_ids, positions)
 
-        def layer_fn(graphdef, treedef, leaves, kv_cache, x, extra, md):
-            layer = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-            return layer(x, *extra, kv_cache, md)
+        def layers_fn(graphdef, treedef, leaves_per_layer, kv_caches, x, extra, md):
+            new_caches = []
+            for leaves, kv_cache in zip(leaves_per_layer, kv_caches):
+                x, kv_cache = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))(x, *extra, kv_cache, md)
+                new_caches.append(kv_cache)
+            return x, new_caches
 
         def head(shell_state, hidden, prompt_hidden=None, prompt_lp=None):
             """Final norm and logits of the sampled rows (and of the prompt-logprob rows)."""
@@ -110,7 +131,7 @@ class LayerPieces:
             return model.compute_logits(model.norm_output(hidden)), prompt_out
 
         self.embed, self.head = embed, head
-        self.layer_fns = [functools.partial(layer_fn, g, t) for g, t in zip(graphdefs, treedefs)]
+        self.layer_fns = [functools.partial(layers_fn, g, t) for g, t in zip(graphdefs, treedefs)]
 
     @classmethod
     def of(cls, model) -> "LayerPieces | None":
@@ -127,7 +148,10 @@ class ModelRunner:
     """
 
     def __init__(self, model, *, num_blocks: int, block_size: int, dtype, mesh, seed: int = 0,
-                 max_num_seqs: int = 256, max_model_len: int | None = None):
+                 max_num_seqs: int = 256, max_model_len: int | None = None, kv_cache_dtype=None):
+        """``dtype``: the KV pages' dtype; ``kv_cache_dtype`` (int8 or float8_e4m3fn), when given,
+        overrides it with 8-bit pages plus per-(token, head) scales. ``max_num_seqs`` and
+        ``max_model_len`` bound the step shapes (`buckets`)."""
         self.config = model.config
         self.max_seqs_bucket = bucket(max_num_seqs, MIN_ROWS)
         self.max_blocks_per_seq = cdiv(max_model_len or model.config.max_position_embeddings, block_size)
@@ -137,21 +161,21 @@ class ModelRunner:
         self.graphdef, self.state = graphdef, sharding.shard_state(state, mesh)
         self.block_size = block_size
         self.num_blocks, self.dtype = num_blocks, dtype
+        self.kv_cache_dtype = kv_cache_dtype if kv_cache_dtype is not None else dtype
         self.seed = seed
         self.kv_caches = self._new_kv_pool()
         replicated = NamedSharding(mesh, P())
         self._replicated = replicated
-        pool = sharding.kv_pool_sharding(mesh)
-        pool_tree = jax.tree.map(lambda _: pool, self.kv_caches)
+        pool = jax.tree.map(lambda x: sharding.kv_pool_sharding(mesh, x.ndim), self.kv_caches)
         self.pieces = LayerPieces.of(nnx.merge(graphdef, self.state))  # a view: the sharded arrays
         if self.pieces is None:  # a model with only __call__: one jit for the whole forward
-            self._forward_jit = jax.jit(self._forward_fn, donate_argnums=(1,),
-                                        out_shardings=(replicated, pool_tree))
+            self._forward_jit = jax.jit(self._forward_fn, donate_argnums=(1,), out_shardings=(replicated, pool))
             self._forward = self._forward_whole
         else:  # embed, one jit per layer structure (shared by the layers), head
             self._embed = jax.jit(self.pieces.embed)
-            self._layers = [jax.jit(fn, donate_argnums=(1,), out_shardings=(replicated, pool_tree[0]))
-                            for fn in self.pieces.layer_fns]
+            self._layers = {(group, end - first): jax.jit(self.pieces.layer_fns[group], donate_argnums=(1,),
+                                                          out_shardings=(replicated, pool[first:end]))
+                            for group, first, end in self.pieces.calls}
             self._take_rows = jax.jit(_take_rows)  # apart from the head: it alone depends on both counts
             self._head = jax.jit(self.pieces.head, out_shardings=replicated)
             self._forward = self._forward_by_layer
@@ -159,19 +183,23 @@ class ModelRunner:
         self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
         self._gather = jax.jit(_gather_blocks, out_shardings=replicated)
         self._scatter = jax.jit(_scatter_blocks, donate_argnums=(0,))
-        self.host_blocks: dict[int, np.ndarray] = {}  # seq_id -> swapped-out blocks (host memory)
+        self.host_blocks: dict[int, tuple] = {}  # seq_id -> swapped-out blocks per pool array (host memory)
         self._signatures: set = set()  # distinct argument shapes seen by each jitted function
 
     def _new_kv_pool(self):
+        """Per layer ``(k_pages, v_pages)``, or with 8-bit pages ``(k_pages, v_pages, k_scales,
+        v_scales)`` (scales ``[Hkv, num_blocks, block_size]``, `pallas_kernels.SCALE_DTYPE`)."""
         c = self.config
         shape = (c.num_kv_heads, self.num_blocks, self.block_size, c.head_dim)
-        pool = sharding.kv_pool_sharding(self.mesh)
-        return [(sharding.zeros_sharded(shape, self.dtype, pool), sharding.zeros_sharded(shape, self.dtype, pool))
+        arrays = [(shape, self.kv_cache_dtype)] * 2
+        if pallas_kernels.quant.is_quantized(self.kv_cache_dtype):
+            arrays += [(shape[:3], pallas_kernels.SCALE_DTYPE)] * 2
+        return [tuple(sharding.zeros_sharded(s, dt, sharding.kv_pool_sharding(self.mesh, len(s))) for s, dt in arrays)
                 for _ in range(c.num_layers)]
 
     def kv_pool_lost(self) -> bool:
         """Whether a failed step consumed the donated pool (then `reset_kv_pool` makes a new one)."""
-        return any(k.is_deleted() or v.is_deleted() for k, v in self.kv_caches)
+        return any(x.is_deleted() for layer in self.kv_caches for x in layer)
 
     def reset_kv_pool(self) -> None:
         self.kv_caches = self._new_kv_pool()
@@ -208,20 +236,20 @@ class ModelRunner:
                           prompt_lp, num_fixed=2)
 
     def _forward_by_layer(self, state, kv_caches, input_ids, md, logits_indices, prompt_lp=None):
-        """The same result as `_forward_whole`, as embed -> each layer -> head: each piece compiles
-        once per shape, whatever the number of layers (a 30-layer model traces and compiles one
-        layer, not thirty). ``state`` is unused: the pieces hold their own parameters. Each
-        layer's pages are donated to its call."""
+        """The same result as `_forward_whole`, as embed -> calls of up to `LAYERS_PER_CALL` layers
+        -> head: each piece compiles once per shape, whatever the number of layers (a 30-layer model
+        traces and compiles six layers, not thirty). ``state`` is unused: the pieces hold their own
+        parameters. Each layer's pages are donated to its call."""
         del state
         p = self.pieces
         md = jax.device_put(md, self._replicated)  # once, not once per layer
         x, extra = self._call("embed", self._embed, p.shell_state, input_ids, md.positions, num_fixed=1)
-        for group in set(p.layer_groups):  # every layer of a group has the same argument shapes
-            self._note(f"layer{group}", x, extra, md)
+        for group, count in self._layers:  # every call of one key has the same argument shapes
+            self._note(f"layers{group}x{count}", x, extra, md)
         new_caches = []
-        for leaves, group, kv_cache in zip(p.layer_leaves, p.layer_groups, kv_caches):
-            x, kv_cache = self._layers[group](leaves, kv_cache, x, extra, md)
-            new_caches.append(kv_cache)
+        for group, first, end in p.calls:
+            x, caches = self._layers[group, end - first](p.layer_leaves[first:end], kv_caches[first:end], x, extra, md)
+            new_caches += caches
         hidden = self._call("rows", self._take_rows, x, logits_indices)
         prompt_hidden = None if prompt_lp is None else self._call("rows", self._take_rows, x, prompt_lp.indices)
         out = self._call("head", self._head, p.shell_state, hidden, prompt_hidden, prompt_lp, num_fixed=1)
@@ -240,20 +268,24 @@ class ModelRunner:
         if not swaps:
             return
         blocks = [b for _, table in swaps for b in table]
-        data = np.asarray(self._gather(self.kv_caches, padded_ids(blocks, 4, fill=0)))
+        data = jax.device_get(self._gather(self.kv_caches, padded_ids(blocks, 4, fill=0)))
         start = 0
-        for seq_id, table in swaps:
-            self.host_blocks[seq_id] = data[:, :, :, start:start + len(table)]
+        for seq_id, table in swaps:  # each array: [L, Hkv, blocks, block_size, ...]
+            self.host_blocks[seq_id] = tuple(d[:, :, start:start + len(table)] for d in data)
             start += len(table)
 
     def swap_in(self, swaps: list[tuple[int, list[int]]]) -> None:
         """Writes swapped sequences back into their new blocks (one host -> device transfer)."""
         if not swaps:
             return
-        data = np.concatenate([self.host_blocks.pop(seq_id) for seq_id, _ in swaps], axis=3)
+        parts = [self.host_blocks.pop(seq_id) for seq_id, _ in swaps]
         blocks = padded_ids([b for _, table in swaps for b in table], 4)
-        pad = np.zeros(data.shape[:3] + (len(blocks) - data.shape[3],) + data.shape[4:], data.dtype)
-        self.kv_caches = self._scatter(self.kv_caches, blocks, np.concatenate([data, pad], axis=3))
+        data = []
+        for arrays in zip(*parts):  # each pool array: [L, Hkv, blocks, block_size, ...]
+            d = np.concatenate(arrays, axis=2)
+            pad = np.zeros(d.shape[:2] + (len(blocks) - d.shape[2],) + d.shape[3:], d.dtype)
+            data.append(np.concatenate([d, pad], axis=2))
+        self.kv_caches = self._scatter(self.kv_caches, blocks, tuple(data))
 
     def discard_swapped(self, seq_ids) -> None:
         for seq_id in seq_ids:

@@ -3,6 +3,7 @@
   python scripts/benchmark_throughput.py --allocator paged,oracle,max --num_kv_blocks 256
   python scripts/benchmark_throughput.py --workload alpaca-like --num_requests 200 --allocator pow2
   python scripts/benchmark_throughput.py --model path/to/hf_dir --num_kv_blocks 512 --length_scale 0.5
+  python scripts/benchmark_throughput.py --kv_cache_dtype auto,int8 --kv_cache_memory_bytes 8388608
 
 Every allocator runs the real engine (same model, kernels and scheduler; only the KV cache
 manager differs) on the same requests from ``scripts/workloads.py``, all queued at once,
@@ -15,6 +16,8 @@ engine step; also over the steps during which some request was still waiting, i.
 budget, not the queue, limits the batch), preemptions, engine steps and compilations; then paged's ratios over each baseline. Time spent
 compiling new shapes (JAX's compile events) is subtracted, so the first allocator of a run is not
 penalized for compiling what the others then reuse.
+``--kv_cache_dtype auto,int8`` runs each KV cache dtype in turn; give the pool as a byte budget
+(``--kv_cache_memory_bytes``) so that 8-bit pages get the extra blocks the same memory holds.
 ``--length_scale`` shrinks every prompt and output length (the shape of the distribution is kept),
 so that a CPU finishes in minutes; set ``--max_model_len`` to match (it is what ``max`` reserves).
 """
@@ -41,6 +44,8 @@ flags.DEFINE_float("length_scale", 1.0, "Multiplies every prompt and output leng
 flags.DEFINE_integer("seed", 0, "Workload seed")
 flags.DEFINE_list("allocator", ["paged"], "paged | max | pow2 | oracle; a comma list runs each in turn")
 flags.DEFINE_integer("num_kv_blocks", None, "KV pool size in blocks, the same for every allocator")
+flags.DEFINE_integer("kv_cache_memory_bytes", None, "KV pool size in bytes (blocks follow the KV dtype)")
+flags.DEFINE_list("kv_cache_dtype", ["auto"], "auto | int8 | fp8; a comma list runs each in turn")
 flags.DEFINE_integer("block_size", 16, "Tokens per KV block")
 flags.DEFINE_integer("max_model_len", 2048, "Longest prompt + output (what `max` reserves)")
 flags.DEFINE_integer("max_num_seqs", 256, "Sequences per step")
@@ -65,15 +70,18 @@ flags.DEFINE_enum("peer", "none", ["none", "hf"], "Also run transformers' batche
 SHARED_PREFIX_TOKENS = {"none": 0, "1-shot": 80, "5-shot": 340}
 
 
-def engine_kwargs(allocator: str, sharing: bool = True) -> dict:
+def engine_kwargs(allocator: str, sharing: bool = True, kv_cache_dtype: str = "auto") -> dict:
     """LLM(...) settings for one run."""
-    kwargs = dict(allocator=allocator, block_size=F.block_size, max_model_len=F.max_model_len,
+    kwargs = dict(allocator=allocator, kv_cache_dtype=kv_cache_dtype, block_size=F.block_size,
+                  max_model_len=F.max_model_len,
                   max_num_seqs=F.max_num_seqs, max_num_batched_tokens=F.max_num_batched_tokens, dtype=F.dtype,
                   enable_prefix_caching=sharing and F.shared_prefix != "none", share_forked_blocks=sharing,
                   tensor_parallel_size=F.tensor_parallel_size, data_parallel_size=F.data_parallel_size,
                   precompile=F.precompile)
     if F.num_kv_blocks is not None:
         kwargs["num_kv_blocks"] = F.num_kv_blocks
+    if F.kv_cache_memory_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = F.kv_cache_memory_bytes
     return kwargs
 
 
@@ -185,18 +193,30 @@ def main(argv):
     sharing_modes = {"on": [True], "off": [False], "both": [True, False]}[F.sharing]
     for allocator in F.allocator:
         for sharing in sharing_modes:
-            start = time.perf_counter()
-            llm = LLM(model, **engine_kwargs(allocator, sharing))
-            print(f"{allocator}: start-up {time.perf_counter() - start:.1f} s "
-                  f"({llm.get_metrics()['num_compilations']} step shapes compiled or loaded)", flush=True)
-            vocab = llm.llm_engine.model_config.vocab_size
-            prompts, output_lens = make_workload(F.workload, vocab, F.num_requests, F.seed,
-                                                 F.length_scale)
-            name = allocator if len(sharing_modes) == 1 else f"{allocator}/{'shared' if sharing else 'unshared'}"
-            results[name] = run(llm, make_requests(prompts, output_lens, vocab, sharing))
-            report(name, results[name], len(prompts))
-            del llm
-    if len(sharing_modes) == 2:
+            for kv in F.kv_cache_dtype:
+                start = time.perf_counter()
+                llm = LLM(model, **engine_kwargs(allocator, sharing, kv))
+                print(f"{allocator}: start-up {time.perf_counter() - start:.1f} s "
+                      f"({llm.get_metrics()['num_compilations']} step shapes compiled or loaded)", flush=True)
+                vocab = llm.llm_engine.model_config.vocab_size
+                prompts, output_lens = make_workload(F.workload, vocab, F.num_requests, F.seed,
+                                                     F.length_scale)
+                name = allocator if len(sharing_modes) == 1 else f"{allocator}/{'shared' if sharing else 'unshared'}"
+                name = name if len(F.kv_cache_dtype) == 1 else f"{name}/kv={kv}"
+                results[name] = run(llm, make_requests(prompts, output_lens, vocab, sharing))
+                report(name, results[name], len(prompts))
+                del llm
+    if len(F.kv_cache_dtype) > 1:
+        base = F.kv_cache_dtype[0]
+        for name, r in results.items():
+            prefix, kv = name.rsplit("/kv=", 1)
+            if kv != base:
+                b = results[f"{prefix}/kv={base}"]
+                print(f"kv {kv} / {base} ({prefix}): blocks {r['blocks'] / b['blocks']:.2f}x  "
+                      f"output throughput {r['output tokens/s'] / b['output tokens/s']:.2f}x  "
+                      f"mean batch {r['mean batch'] / b['mean batch']:.2f}x "
+                      f"({r['loaded batch']:.2f} vs {b['loaded batch']:.2f} while requests wait)")
+    if len(sharing_modes) == 2 and len(F.kv_cache_dtype) == 1:
         for allocator in F.allocator:
             on, off = results[f"{allocator}/shared"], results[f"{allocator}/unshared"]
             print(f"sharing on / off ({allocator}): output throughput {on['output tokens/s'] / off['output tokens/s']:.2f}x, "
@@ -207,7 +227,7 @@ def main(argv):
         first = next(iter(results.values()))
         print(f"transformers generate: {hf:.1f} output tokens/s; jpaged / transformers: "
               f"{first['output tokens/s'] / hf:.2f}x (same machine, same run)")
-    if "paged" in results and len(sharing_modes) == 1:
+    if "paged" in results and len(sharing_modes) == 1 and len(F.kv_cache_dtype) == 1:
         p = results["paged"]
         for name, r in results.items():
             if name != "paged":
