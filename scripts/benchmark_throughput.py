@@ -62,6 +62,7 @@ flags.DEFINE_integer("tensor_parallel_size", 1, "Devices per replica (attention 
 flags.DEFINE_integer("data_parallel_size", 1, "Engine replicas")
 # Where the time goes
 flags.DEFINE_bool("precompile", True, "Compile every step shape before the timed run (start-up time is printed)")
+flags.DEFINE_integer("single_stream", 0, "Then also time one request alone (32 prompt tokens) of this many output tokens")
 flags.DEFINE_bool("profile", False, "Print the per-step breakdown: schedule, prepare, device, post-process")
 flags.DEFINE_string("trace_dir", None, "Write a jax.profiler trace of the timed run here (TensorBoard / Perfetto)")
 # A peer in the same run
@@ -149,6 +150,19 @@ def _drive(engine):
     return steps, batched, loaded_steps, loaded_batched, finished
 
 
+def single_stream(llm: LLM, prompts) -> None:
+    """One request alone (the first 32 tokens of the second prompt, ``--single_stream`` greedy
+    tokens) after a warm-up on the first: the per-token speed a lone user sees."""
+    params = SamplingParams(temperature=0.0, max_tokens=F.single_stream, ignore_eos=True)
+    timings = llm.llm_engine.step_timings
+    llm.generate([{"prompt_token_ids": prompts[0][:32]}], params, use_tqdm=False)
+    timings.__init__()
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": prompts[1][:32]}], params, use_tqdm=False)
+    print(f"single stream: {F.single_stream / (time.perf_counter() - start):.1f} output tokens/s"
+          + (f"; step breakdown: {timings.summary()}" if F.profile else ""), flush=True)
+
+
 def run_hf(model_dir: str, prompts, output_lens) -> float:
     """transformers' batched greedy generate on the same requests (equal lengths); output tokens/s."""
     import torch
@@ -205,6 +219,8 @@ def main(argv):
                 name = name if len(F.kv_cache_dtype) == 1 else f"{name}/kv={kv}"
                 results[name] = run(llm, make_requests(prompts, output_lens, vocab, sharing))
                 report(name, results[name], len(prompts))
+                if F.single_stream:
+                    single_stream(llm, prompts)
                 del llm
     if len(F.kv_cache_dtype) > 1:
         base = F.kv_cache_dtype[0]
