@@ -112,6 +112,23 @@ def test_int8_llama_from_safetensors_generates_and_agrees(llama_dir, float_token
     assert all(first) and np.mean(same) >= 0.75, (tokens, expected)
 
 
+def test_int8_from_orbax_checkpoint(llama_dir, float_tokens, tmp_path):
+    from jpaged.loading.orbax_checkpoint import save_checkpoint
+
+    path, _ = llama_dir
+    prompts, expected = float_tokens
+    model, _, tokenizer = load_model(path, dtype=jnp.float32, attention_backend="xla")
+    ckpt = save_checkpoint(model, str(tmp_path / "ckpt"), tokenizer)
+    llm = LLM(ckpt, quantization="int8", **ENGINE)
+    assert llm.llm_engine.runner.state["layers"][1]["self_attn"]["o_proj"]["kernel"][...].dtype == jnp.int8
+    tokens = greedy(llm, prompts)
+    same = [a == b for got, want in zip(tokens, expected) for a, b in zip(got, want)]
+    assert np.mean(same) >= 0.75
+    quantized, _, _ = load_model(path, dtype=jnp.float32, attention_backend="xla", quantization="int8")
+    with pytest.raises(ValueError, match="quantized layers"):
+        save_checkpoint(quantized, str(tmp_path / "q"))
+
+
 @pytest.mark.parametrize("fixture,linear,table", [
     ("opt350m_style_dir", ("project_in",), ("embed_tokens",)),  # project_in/out, tied, biases
     ("gpt2_dir", ("h", 0, "attn", "c_attn"), ("wte",)),           # Conv1D [in, out] kernels, tied

@@ -166,3 +166,6 @@ class GGUFEmbed(_GGUFBlocks):
 
     def attend(self, h):
         return weight_matmul(h, self._weight())
+
+
+QUANTIZED_MODULES = (QuantizedLinear, QuantizedEmbed, GGUFLinear, GGUFEmbed)
