@@ -7,7 +7,11 @@ attention; researchers can import it into their own decoder blocks.
 
 KV pool layout, per layer: ``k_pages`` and ``v_pages`` of shape
 ``[num_kv_heads, num_blocks, block_size, head_dim]``; slot ``s`` is block ``s // block_size``,
-offset ``s % block_size``. Heads lead so the pool shards on its first axis.
+offset ``s % block_size``. Heads lead so the pool shards on its first axis. With an 8-bit KV cache
+(``kv_cache_dtype`` "int8" or "fp8") a layer's cache is ``(k_pages, v_pages, k_scales, v_scales)``:
+int8 / float8_e4m3fn pages and bfloat16 scales ``[num_kv_heads, num_blocks, block_size]``, one per
+(token, kv head) (`pallas_kernels.quant`); the write quantizes and attention dequantizes, on every
+backend. The cache tuple alone says which: a layer needs no setting of its own.
 
 Backends:
 - ``xla``: `pallas_kernels.ragged_paged_attention_reference`, the package's one jnp paged
@@ -82,42 +86,47 @@ def attention_backend_of(model) -> str:
     return "xla"
 
 
-def xla_paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale):
+def xla_paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale, **scales):
     return pallas_kernels.ragged_paged_attention_reference(
         q, k_pages, v_pages, md.block_tables, md.seq_lens, md.query_start_loc, md.num_seqs,
-        scale=scale)
+        scale=scale, **scales)
 
 
 def _interpret() -> bool:
     return jax.default_backend() not in ("tpu", "gpu")
 
 
-def pallas_paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale):
+def pallas_paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale, **scales):
     """The decode kernel for a decode-only step, else the ragged kernel (interpret mode off TPU/GPU)."""
     if md.decode_only:  # token s is sequence s's one query; rows past num_seqs are padding
         t, s = q.shape[0], md.seq_lens.shape[0]
         q_rows = q[:s] if t >= s else jnp.pad(q, ((0, s - t), (0, 0), (0, 0)))
         out = pallas_kernels.paged_attention(q_rows, k_pages, v_pages, md.block_tables, md.seq_lens,
-                                             scale=scale, interpret=_interpret())
+                                             scale=scale, interpret=_interpret(), **scales)
         return out[:t] if s >= t else jnp.pad(out, ((0, t - s), (0, 0), (0, 0)))
     return pallas_kernels.ragged_paged_attention(q, k_pages, v_pages, md.block_tables, md.seq_lens,
                                                  md.query_start_loc, md.num_seqs, scale=scale,
-                                                 interpret=_interpret())
+                                                 interpret=_interpret(), **scales)
 
 
-def pallas_write_kv(k_pages, v_pages, k_new, v_new, slot_mapping):
-    return pallas_kernels.write_kv(k_pages, v_pages, k_new, v_new, slot_mapping, interpret=_interpret())
+def pallas_write_kv(k_pages, v_pages, k_new, v_new, slot_mapping, **scales):
+    return pallas_kernels.write_kv(k_pages, v_pages, k_new, v_new, slot_mapping, interpret=_interpret(),
+                                   **scales)
 
 
+# name -> (write(k_pages, v_pages, k, v, slot_mapping, **scales), attend(q, k_pages, v_pages, md, *,
+# scale, **scales)); ``scales`` is ``k_scales=, v_scales=`` with 8-bit pages, else empty.
 BACKENDS = {"xla": (pallas_kernels.write_kv_reference, xla_paged_attention),
             "pallas": (pallas_write_kv, pallas_paged_attention)}
+
 
 
 class PagedAttention(nnx.Module):
     """Writes K/V for this step's tokens into the paged cache and attends through block tables.
 
-    Call with q [T, Hq, D], k and v [T, Hkv, D], this layer's ``(k_pages, v_pages)`` and the
-    step's `AttentionMetadata`; returns the attention output [T, Hq, D] and the updated pages.
+    Call with q [T, Hq, D], k and v [T, Hkv, D], this layer's ``(k_pages, v_pages)`` (or, 8-bit,
+    ``(k_pages, v_pages, k_scales, v_scales)``) and the step's `AttentionMetadata`; returns the
+    attention output [T, Hq, D] and the updated cache tuple.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *, scale: float | None = None,
@@ -133,11 +142,13 @@ class PagedAttention(nnx.Module):
     def __call__(self, q, k, v, kv_cache, md: AttentionMetadata):
         write, attend = BACKENDS[self.backend]
 
-        def write_and_attend(q, k, v, k_pages, v_pages, md):
-            k_pages, v_pages = write(k_pages, v_pages, k, v, md.slot_mapping)
-            return attend(q, k_pages, v_pages, md, scale=self.scale), k_pages, v_pages
+        def write_and_attend(q, k, v, kv_cache, md):
+            scales_of = pallas_kernels.quant.scales_of
+            kv_cache = tuple(write(*kv_cache[:2], k, v, md.slot_mapping, **scales_of(kv_cache)))
+            return attend(q, *kv_cache[:2], md, scale=self.scale, **scales_of(kv_cache)), kv_cache
 
         if sharding.model_axis_size() > 1:  # each device attends with its own heads and pool slice
-            write_and_attend = sharding.shard_heads(write_and_attend, num_args_sharded=5)
-        out, k_pages, v_pages = write_and_attend(q, k, v, *kv_cache, md)
-        return out, (k_pages, v_pages)
+            heads, pool, replicated = sharding.HEADS, sharding.POOL, sharding.REPLICATED
+            write_and_attend = sharding.shard_heads(write_and_attend, (heads, heads, heads, pool, replicated),
+                                                    (heads, pool))
+        return write_and_attend(q, k, v, tuple(kv_cache), md)

@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 import jax.numpy as jnp
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}  # by EngineConfig.dtype name
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # CacheConfig.kv_cache_dtype; 8-bit: pallas_kernels/quant.py
 QUANTIZATIONS = ("int8", "gguf")  # EngineConfig.quantization values besides None
 
 
@@ -27,6 +28,8 @@ class CacheConfig:
     """The paged KV cache: block size and how many blocks the pool holds."""
 
     block_size: int = 16
+    kv_cache_dtype: str = "auto"              # "auto" (the model dtype) | "int8" | "fp8" (float8_e4m3fn),
+                                              # 8-bit pages with a scale per (token, kv head)
     num_kv_blocks: int | None = None          # explicit pool size, wins over the byte budgets
     kv_cache_memory_bytes: int | None = None  # explicit byte budget for the pool
     memory_utilization: float = 0.9           # share of device memory (after weights) for the pool
@@ -55,6 +58,30 @@ class CacheConfig:
             _fail("CacheConfig", "allocator", self.allocator, "must be 'paged', 'max', 'pow2' or 'oracle'")
         if self.swap_space_bytes < 0:
             _fail("CacheConfig", "swap_space_bytes", self.swap_space_bytes, "must be >= 0")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            _fail("CacheConfig", "kv_cache_dtype", self.kv_cache_dtype, "must be 'auto', 'int8' or 'fp8'")
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, attention_backend: str, platform: str,
+                         compute_capability: str | None = None) -> None:
+    """Raises ValueError for a KV cache dtype the chosen attention backend cannot run on this platform.
+
+    fp8 (float8_e4m3fn) with the Pallas kernels needs hardware float8: on CUDA, Triton converts
+    float8_e4m3fn only from compute capability 8.9 (Ada, Hopper); on TPU, Mosaic's float8 casts are
+    not verified here, so fp8 runs on TPU with ``attention_backend="xla"`` only. int8 runs
+    everywhere; the XLA path runs every dtype on every platform.
+    """
+    if kv_cache_dtype != "fp8" or attention_backend != "pallas":
+        return
+    if platform == "tpu":
+        _fail("CacheConfig", "kv_cache_dtype", kv_cache_dtype,
+              "the Pallas kernels' float8 path is not supported on TPU; use 'int8' or attention_backend='xla'")
+    if platform == "gpu" and compute_capability is not None:
+        major, minor = (int(x) for x in str(compute_capability).split(".")[:2])
+        if (major, minor) < (8, 9):
+            _fail("CacheConfig", "kv_cache_dtype", kv_cache_dtype,
+                  f"float8_e4m3fn needs CUDA compute capability >= 8.9, this GPU has {compute_capability}; "
+                  "use 'int8'")
 
 
 @dataclass
@@ -90,6 +117,7 @@ class EngineConfig:
     compilation_cache_dir: str | None = None  # None: ~/.cache/jpaged/jax
     quantization: str | None = None   # weights: None (as stored / dtype), "int8" (per output channel,
                                       # made at load time), "gguf" (a GGUF file's Q8_0/Q4_0/Q4_1 kept)
+    precompile: bool = False  # compile every step shape at start (servers): none compiles while serving
 
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_kernels
 from jpaged import beam_search, sharding
-from jpaged.config import DTYPES, EngineConfig
+from jpaged.config import DTYPES, EngineConfig, check_kv_cache_dtype
 from jpaged.core.kv_cache_manager import KVCacheManager
 from jpaged.core.scheduler import SampleRow, Scheduler, SchedulerOutput, ScheduledSeq
 from jpaged.detokenizer import IncrementalDetokenizer
@@ -25,6 +26,7 @@ from jpaged.model_runner import ModelRunner
 from jpaged.outputs import CompletionOutput, RequestOutput
 from jpaged.request import Request, Sequence
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
+from jpaged.step_timing import StepTimings
 from jpaged.utils import cdiv, release_free_host_memory
 
 logger = logging.getLogger("jpaged")
@@ -41,7 +43,7 @@ def enable_compilation_cache(path: str | None) -> None:
         return
     path = path or os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "jax")
     jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.05)
 
 
 class LLMEngine:
@@ -59,6 +61,11 @@ class LLMEngine:
             jnp.float32 if platform == "cpu" else jnp.bfloat16)
         backend = config.attention_backend
         self.attention_backend = backend if backend != "auto" else ("pallas" if platform in ("tpu", "gpu") else "xla")
+        kv_name = config.cache.kv_cache_dtype
+        check_kv_cache_dtype(kv_name, self.attention_backend, platform,
+                             getattr(self.mesh.devices.flat[0], "compute_capability", None))
+        # The KV pages' dtype: the model's ("auto"), or 8-bit with a scale per (token, kv head).
+        self.kv_cache_dtype = self.dtype if kv_name == "auto" else pallas_kernels.KV_DTYPES[kv_name]
         model, self.tokenizer = self._load(model, tokenizer)
         release_free_host_memory()
         mc = self.model_config = model.config
@@ -82,11 +89,14 @@ class LLMEngine:
                                    preemption_mode=cc.preemption_mode,
                                    swap_capacity_blocks=cc.swap_space_bytes // self._kv_bytes_per_block())
         self.runner = ModelRunner(model, num_blocks=self.num_blocks, block_size=cc.block_size,
-                                  dtype=self.dtype, mesh=self.mesh, seed=config.seed)
+                                  dtype=self.dtype, mesh=self.mesh, seed=config.seed,
+                                  max_num_seqs=sc.max_num_seqs, max_model_len=self.max_model_len,
+                                  kv_cache_dtype=self.kv_cache_dtype)
         self.requests: dict[str, Request] = {}
         self.peak_kv_cache_usage = 0.0
         self.num_failed_steps = 0
         self._warm_up()
+        self.step_timings = StepTimings()  # of the steps since start (see get_metrics)
 
     # Set-up --------------------------------------------------------------------------------------
     def _load(self, model, tokenizer):
@@ -107,11 +117,12 @@ class LLMEngine:
         return model, tokenizer
 
     def _kv_bytes_per_block(self) -> int:
-        """Bytes of one block on one device (its heads' slice, KV-head replication included)."""
+        """Bytes of one block on one device (its heads' slice, KV-head replication included), scales
+        of 8-bit pages included."""
         mc = self.model_config
         heads_per_device = max(1, mc.num_kv_heads // self.config.tensor_parallel_size)
-        return (2 * mc.num_layers * heads_per_device * self.config.cache.block_size * mc.head_dim
-                * jnp.dtype(self.dtype).itemsize)
+        return (2 * mc.num_layers * heads_per_device * self.config.cache.block_size
+                * pallas_kernels.quant.bytes_per_row(mc.head_dim, self.kv_cache_dtype))
 
     def _num_blocks(self) -> int:
         """Pool size: ``num_kv_blocks``, else a byte budget (``kv_cache_memory_bytes``, else the
@@ -134,18 +145,45 @@ class LLMEngine:
             n = min(budget // per_block, sc.max_num_seqs * cdiv(self.max_model_len, cc.block_size))
             if n < 1:
                 raise ValueError(f"kv_cache_memory_bytes={budget}: too small for one KV block of {per_block} bytes")
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB per device (%s); "
-                    "set num_kv_blocks or kv_cache_memory_bytes to change it",
+        kv_dtype = jnp.dtype(self.kv_cache_dtype).name
+        if pallas_kernels.quant.is_quantized(self.kv_cache_dtype):
+            kv_dtype += f" + {jnp.dtype(pallas_kernels.SCALE_DTYPE).name} scales"
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB per device (%s); %s, %d bytes "
+                    "per token per device; set num_kv_blocks or kv_cache_memory_bytes to change it",
                     n, cc.block_size, n * cc.block_size, n * per_block / 2**20,
-                    "num_kv_blocks" if cc.num_kv_blocks is not None else source)
+                    "num_kv_blocks" if cc.num_kv_blocks is not None else source, kv_dtype,
+                    per_block // cc.block_size)
         return int(n)
 
     def _warm_up(self) -> None:
-        """Compiles the smallest step (one decode-shaped row, writing into block 0, which is free)."""
+        """Compiles the smallest step; with ``precompile``, every step shape the settings allow.
+
+        Dummy steps write into block 0 (free: nothing reads it before its owner writes it); a
+        step's shapes depend only on its token count, sampled rows and sampling options
+        (`ModelRunner.buckets`), so one step per token bucket, then the logits and sampler of each
+        row count (greedy and sampled, without penalties or filters), cover the steady state.
+        """
+        start = time.perf_counter()
+        runner = self.runner
+        sc = self.config.scheduler
+        max_tokens = sc.max_num_batched_tokens if self.config.precompile else 1
         request = Request("warmup", None, [0], SamplingParams(temperature=0.0, max_tokens=1))
+        for t_pad in runner.token_buckets(max_tokens):
+            runner.execute(self._dummy_step(request, t_pad))
+        if self.config.precompile:
+            runner.compile_heads(max_tokens, sc.max_num_seqs)
+            logger.info("precompiled %d step shapes in %.1f s", runner.num_compilations,
+                        time.perf_counter() - start)
+
+    def _dummy_step(self, request: Request, num_tokens: int) -> SchedulerOutput:
+        """A step of ``num_tokens`` tokens in as few sequences as ``max_model_len`` allows, all in
+        block 0."""
         seq = request.seqs[0]
-        self.runner.execute(SchedulerOutput(seqs=[ScheduledSeq([0], 0, [0])],
-                                            sample_rows=[SampleRow(request, seq, 0, 0)]))
+        per_seq = min(num_tokens, self.max_model_len)
+        lengths = [per_seq] * (num_tokens // per_seq) + ([num_tokens % per_seq] if num_tokens % per_seq else [])
+        bs = self.config.cache.block_size
+        seqs = [ScheduledSeq([0] * n, 0, [0] * cdiv(n, bs)) for n in lengths]
+        return SchedulerOutput(seqs=seqs, sample_rows=[SampleRow(request, seq, 0, 0)])
 
     # Requests ---------------------------------------------------------------------------------------
     def tokenize(self, prompt) -> tuple[str | None, list[int], str | None]:
@@ -272,7 +310,9 @@ class LLMEngine:
     # The loop ---------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduling + model step; outputs of every request that advanced (or ended)."""
+        start = time.perf_counter()
         out = self.scheduler.schedule()
+        scheduled = time.perf_counter()
         self.peak_kv_cache_usage = max(self.peak_kv_cache_usage, self.kv_cache.usage())
         if not out.requests:
             return self._fail_unschedulable()
@@ -293,6 +333,9 @@ class LLMEngine:
             if request.finished:
                 self._end(request)
             outputs.append(self._output(request))
+        self.step_timings.add(sum(len(s.token_ids) for s in out.seqs), schedule=scheduled - start,
+                              prepare=result.prepare_seconds, device=result.device_seconds,
+                              post=time.perf_counter() - scheduled - result.prepare_seconds - result.device_seconds)
         return outputs
 
     def _fail_step(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:

@@ -5,6 +5,8 @@ chunks), so the step compiles once per bucket combination and never again in ste
 pool is donated to the step, so XLA updates it in place.
 """
 import dataclasses
+import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +21,11 @@ from jpaged.attention import attention_backend_of, make_attention_metadata
 from jpaged.core.scheduler import SchedulerOutput
 from jpaged.sampler import sample
 from jpaged.sampling_batch import build_sampling_tensors
-from jpaged.utils import bucket, pad_rows, padded_ids
+from jpaged.utils import bucket, cdiv, pad_rows, padded_ids
+
+LAYERS_PER_CALL = 6  # one jitted call runs up to this many layers: compile cost vs dispatches
+MIN_TOKENS = 2  # XLA CPU runs [1, K] x [K, N] matmuls far slower than [2, K]
+MIN_ROWS = 2
 
 
 @dataclasses.dataclass
@@ -31,25 +37,107 @@ class StepResult:
     top_ids: np.ndarray
     top_logprobs: np.ndarray
     prompt_logprobs: tuple | None = None  # (target logprobs, top ids, top logprobs) per prompt row
+    prepare_seconds: float = 0.0  # host: copies, swaps, batch, metadata, sampling tensors
+    device_seconds: float = 0.0   # dispatch until the sampled tokens are on the host
 
+
+def _take_rows(x, indices):
+    return x[indices]
+
+
+# A layer's cache is a tuple of pool arrays that all lead with [Hkv, num_blocks, block_size]:
+# (k_pages, v_pages), or with 8-bit pages (k_pages, v_pages, k_scales, v_scales). Block moves treat
+# every array alike, so scales always travel with their pages.
 
 def _gather_blocks(kv_caches, blocks):
-    """[L, 2, Hkv, len(blocks), block_size, D]: the blocks of every layer, for the host."""
-    return jnp.stack([jnp.stack([k[:, blocks], v[:, blocks]]) for k, v in kv_caches])
+    """The blocks of every layer, for the host: one [L, Hkv, len(blocks), block_size, ...] array per
+    pool array of a layer (K and V pages, then scales)."""
+    return tuple(jnp.stack([layer[i][:, blocks] for layer in kv_caches]) for i in range(len(kv_caches[0])))
 
 
 def _scatter_blocks(kv_caches, blocks, data):
+    """Writes `_gather_blocks`'s ``data`` into ``blocks`` (negative ids: dropped)."""
     nb = kv_caches[0][0].shape[1]
     dst = jnp.where(blocks < 0, nb, blocks)
-    return [(k.at[:, dst].set(data[i, 0], mode="drop"), v.at[:, dst].set(data[i, 1], mode="drop"))
-            for i, (k, v) in enumerate(kv_caches)]
+    return [tuple(x.at[:, dst].set(d[i], mode="drop") for x, d in zip(layer, data))
+            for i, layer in enumerate(kv_caches)]
 
 
 def _copy_blocks(kv_caches, src, dst):
-    copy = pallas_kernels.copy_blocks
+    def copy(layer, src, dst):
+        return pallas_kernels.copy_blocks(*layer[:2], src, dst, **pallas_kernels.quant.scales_of(layer))
+
     if sharding.model_axis_size() > 1:  # the kernel copies each device's slice of the blocks
-        copy = sharding.shard_heads(copy, num_args_sharded=2)
-    return [copy(k, v, src, dst) for k, v in kv_caches]
+        copy = sharding.shard_heads(copy, (sharding.POOL, sharding.REPLICATED, sharding.REPLICATED),
+                                    sharding.POOL)
+    return [copy(tuple(layer), src, dst) for layer in kv_caches]
+
+
+class LayerPieces:
+    """A model split into the pieces the runner jits separately: an embedding shell (the model
+    without its decoder layers), and the layers, each with its own state, run in calls of up to
+    `LAYERS_PER_CALL` consecutive layers of one structure (calls of one structure and length share
+    one jitted function).
+
+    A model takes part by providing ``embed_inputs(input_ids, positions) -> (x, extra)`` (``extra``:
+    arrays every layer takes after ``x``, e.g. rotary cos/sin), ``norm_output(hidden)`` (the final
+    norm, applied per row), ``compute_logits`` and ``DECODER_LAYERS``, the name of its list of
+    layers, each called ``layer(x, *extra, kv_cache, md) -> (x, kv_cache)``. Other models run
+    whole (``__call__`` in one jit).
+    """
+
+    def __init__(self, model):
+        name = model.DECODER_LAYERS
+        layers = list(getattr(model, name))
+        setattr(model, name, nnx.List([]))
+        try:
+            shell_graphdef, self.shell_state = nnx.split(model)
+        finally:
+            setattr(model, name, nnx.List(layers))
+        graphdefs, treedefs, self.layer_leaves, self.layer_groups = [], [], [], []
+        for layer in layers:
+            graphdef, state = nnx.split(layer)
+            leaves, treedef = jax.tree.flatten(state)  # a list of arrays: fast to pass to a jit
+            if (graphdef, treedef) not in zip(graphdefs, treedefs):
+                graphdefs.append(graphdef)
+                treedefs.append(treedef)
+            self.layer_groups.append(list(zip(graphdefs, treedefs)).index((graphdef, treedef)))
+            self.layer_leaves.append(leaves)
+        self.calls = []  # (structure, first layer, end): consecutive layers of one structure
+        for i, group in enumerate(self.layer_groups):
+            last = self.calls[-1] if self.calls else None
+            if last and last[0] == group and last[2] == i and i - last[1] < LAYERS_PER_CALL:
+                self.calls[-1] = (group, last[1], i + 1)
+            else:
+                self.calls.append((group, i, i + 1))
+
+        def embed(shell_state, input_ids, positions):
+            return nnx.merge(shell_graphdef, shell_state).embed_inputs(input_ids, positions)
+
+        def layers_fn(graphdef, treedef, leaves_per_layer, kv_caches, x, extra, md):
+            new_caches = []
+            for leaves, kv_cache in zip(leaves_per_layer, kv_caches):
+                x, kv_cache = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))(x, *extra, kv_cache, md)
+                new_caches.append(kv_cache)
+            return x, new_caches
+
+        def head(shell_state, hidden, prompt_hidden=None, prompt_lp=None):
+            """Final norm and logits of the sampled rows (and of the prompt-logprob rows)."""
+            model = nnx.merge(shell_graphdef, shell_state)
+            prompt_out = None
+            if prompt_lp is not None:
+                logits = model.compute_logits(model.norm_output(prompt_hidden))
+                prompt_out = prompt_logprobs.compute(logits, prompt_lp)
+            return model.compute_logits(model.norm_output(hidden)), prompt_out
+
+        self.embed, self.head = embed, head
+        self.layer_fns = [functools.partial(layers_fn, g, t) for g, t in zip(graphdefs, treedefs)]
+
+    @classmethod
+    def of(cls, model) -> "LayerPieces | None":
+        if all(hasattr(model, a) for a in ("DECODER_LAYERS", "embed_inputs", "norm_output")):
+            return cls(model)
+        return None
 
 
 class ModelRunner:
@@ -59,37 +147,59 @@ class ModelRunner:
     tables, copies, swaps, sample rows), never the scheduler or the KV cache manager.
     """
 
-    def __init__(self, model, *, num_blocks: int, block_size: int, dtype, mesh, seed: int = 0):
+    def __init__(self, model, *, num_blocks: int, block_size: int, dtype, mesh, seed: int = 0,
+                 max_num_seqs: int = 256, max_model_len: int | None = None, kv_cache_dtype=None):
+        """``dtype``: the KV pages' dtype; ``kv_cache_dtype`` (int8 or float8_e4m3fn), when given,
+        overrides it with 8-bit pages plus per-(token, head) scales. ``max_num_seqs`` and
+        ``max_model_len`` bound the step shapes (`buckets`)."""
         self.config = model.config
+        self.max_seqs_bucket = bucket(max_num_seqs, MIN_ROWS)
+        self.max_blocks_per_seq = cdiv(max_model_len or model.config.max_position_embeddings, block_size)
         self.mesh = mesh
         self.attention_backend = attention_backend_of(model)
         graphdef, state = nnx.split(model)
         self.graphdef, self.state = graphdef, sharding.shard_state(state, mesh)
         self.block_size = block_size
         self.num_blocks, self.dtype = num_blocks, dtype
+        self.kv_cache_dtype = kv_cache_dtype if kv_cache_dtype is not None else dtype
         self.seed = seed
         self.kv_caches = self._new_kv_pool()
         replicated = NamedSharding(mesh, P())
-        pool = sharding.kv_pool_sharding(mesh)
-        self._forward = jax.jit(self._forward_fn, donate_argnums=(1,),
-                                out_shardings=(replicated, jax.tree.map(lambda _: pool, self.kv_caches)))
+        self._replicated = replicated
+        pool = jax.tree.map(lambda x: sharding.kv_pool_sharding(mesh, x.ndim), self.kv_caches)
+        self.pieces = LayerPieces.of(nnx.merge(graphdef, self.state))  # a view: the sharded arrays
+        if self.pieces is None:  # a model with only __call__: one jit for the whole forward
+            self._forward_jit = jax.jit(self._forward_fn, donate_argnums=(1,), out_shardings=(replicated, pool))
+            self._forward = self._forward_whole
+        else:  # embed, one jit per layer structure (shared by the layers), head
+            self._embed = jax.jit(self.pieces.embed)
+            self._layers = {(group, end - first): jax.jit(self.pieces.layer_fns[group], donate_argnums=(1,),
+                                                          out_shardings=(replicated, pool[first:end]))
+                            for group, first, end in self.pieces.calls}
+            self._take_rows = jax.jit(_take_rows)  # apart from the head: it alone depends on both counts
+            self._head = jax.jit(self.pieces.head, out_shardings=replicated)
+            self._forward = self._forward_by_layer
         self._sample = jax.jit(sample)
         self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
         self._gather = jax.jit(_gather_blocks, out_shardings=replicated)
         self._scatter = jax.jit(_scatter_blocks, donate_argnums=(0,))
-        self.host_blocks: dict[int, np.ndarray] = {}  # seq_id -> swapped-out blocks (host memory)
+        self.host_blocks: dict[int, tuple] = {}  # seq_id -> swapped-out blocks per pool array (host memory)
         self._signatures: set = set()  # distinct argument shapes seen by each jitted function
 
     def _new_kv_pool(self):
+        """Per layer ``(k_pages, v_pages)``, or with 8-bit pages ``(k_pages, v_pages, k_scales,
+        v_scales)`` (scales ``[Hkv, num_blocks, block_size]``, `pallas_kernels.SCALE_DTYPE`)."""
         c = self.config
         shape = (c.num_kv_heads, self.num_blocks, self.block_size, c.head_dim)
-        pool = sharding.kv_pool_sharding(self.mesh)
-        return [(sharding.zeros_sharded(shape, self.dtype, pool), sharding.zeros_sharded(shape, self.dtype, pool))
+        arrays = [(shape, self.kv_cache_dtype)] * 2
+        if pallas_kernels.quant.is_quantized(self.kv_cache_dtype):
+            arrays += [(shape[:3], pallas_kernels.SCALE_DTYPE)] * 2
+        return [tuple(sharding.zeros_sharded(s, dt, sharding.kv_pool_sharding(self.mesh, len(s))) for s, dt in arrays)
                 for _ in range(c.num_layers)]
 
     def kv_pool_lost(self) -> bool:
         """Whether a failed step consumed the donated pool (then `reset_kv_pool` makes a new one)."""
-        return any(k.is_deleted() or v.is_deleted() for k, v in self.kv_caches)
+        return any(x.is_deleted() for layer in self.kv_caches for x in layer)
 
     def reset_kv_pool(self) -> None:
         self.kv_caches = self._new_kv_pool()
@@ -101,11 +211,15 @@ class ModelRunner:
         each is one compilation (or one load from the persistent compilation cache)."""
         return len(self._signatures)
 
+    def _note(self, name: str, *args) -> None:
+        """Notes the argument shapes ``name`` is called with (one compilation per distinct set)."""
+        leaves, treedef = jax.tree.flatten(args)
+        self._signatures.add((name, treedef, tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in leaves)))
+
     def _call(self, name: str, fn, *args, num_fixed: int = 0):
         """``fn(*args)``, noting the shapes of the arguments after the first ``num_fixed`` (whose
         shapes never change: parameters, the pool)."""
-        leaves, treedef = jax.tree.flatten(args[num_fixed:])
-        self._signatures.add((name, treedef, tuple((np.shape(x), str(getattr(x, "dtype", type(x)))) for x in leaves)))
+        self._note(name, *args[num_fixed:])
         return fn(*args)
 
     def _forward_fn(self, state, kv_caches, input_ids, md, logits_indices, prompt_lp=None):
@@ -116,6 +230,30 @@ class ModelRunner:
         if prompt_lp is not None:
             prompt_out = prompt_logprobs.compute(model.compute_logits(hidden[prompt_lp.indices]), prompt_lp)
         return (model.compute_logits(hidden[logits_indices]), prompt_out), kv_caches
+
+    def _forward_whole(self, state, kv_caches, input_ids, md, logits_indices, prompt_lp=None):
+        return self._call("forward", self._forward_jit, state, kv_caches, input_ids, md, logits_indices,
+                          prompt_lp, num_fixed=2)
+
+    def _forward_by_layer(self, state, kv_caches, input_ids, md, logits_indices, prompt_lp=None):
+        """The same result as `_forward_whole`, as embed -> calls of up to `LAYERS_PER_CALL` layers
+        -> head: each piece compiles once per shape, whatever the number of layers (a 30-layer model
+        traces and compiles six layers, not thirty). ``state`` is unused: the pieces hold their own
+        parameters. Each layer's pages are donated to its call."""
+        del state
+        p = self.pieces
+        md = jax.device_put(md, self._replicated)  # once, not once per layer
+        x, extra = self._call("embed", self._embed, p.shell_state, input_ids, md.positions, num_fixed=1)
+        for group, count in self._layers:  # every call of one key has the same argument shapes
+            self._note(f"layers{group}x{count}", x, extra, md)
+        new_caches = []
+        for group, first, end in p.calls:
+            x, caches = self._layers[group, end - first](p.layer_leaves[first:end], kv_caches[first:end], x, extra, md)
+            new_caches += caches
+        hidden = self._call("rows", self._take_rows, x, logits_indices)
+        prompt_hidden = None if prompt_lp is None else self._call("rows", self._take_rows, x, prompt_lp.indices)
+        out = self._call("head", self._head, p.shell_state, hidden, prompt_hidden, prompt_lp, num_fixed=1)
+        return out, new_caches
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """All copy-on-write copies of one step, in one call."""
@@ -130,40 +268,47 @@ class ModelRunner:
         if not swaps:
             return
         blocks = [b for _, table in swaps for b in table]
-        data = np.asarray(self._gather(self.kv_caches, padded_ids(blocks, 4, fill=0)))
+        data = jax.device_get(self._gather(self.kv_caches, padded_ids(blocks, 4, fill=0)))
         start = 0
-        for seq_id, table in swaps:
-            self.host_blocks[seq_id] = data[:, :, :, start:start + len(table)]
+        for seq_id, table in swaps:  # each array: [L, Hkv, blocks, block_size, ...]
+            self.host_blocks[seq_id] = tuple(d[:, :, start:start + len(table)] for d in data)
             start += len(table)
 
     def swap_in(self, swaps: list[tuple[int, list[int]]]) -> None:
         """Writes swapped sequences back into their new blocks (one host -> device transfer)."""
         if not swaps:
             return
-        data = np.concatenate([self.host_blocks.pop(seq_id) for seq_id, _ in swaps], axis=3)
+        parts = [self.host_blocks.pop(seq_id) for seq_id, _ in swaps]
         blocks = padded_ids([b for _, table in swaps for b in table], 4)
-        pad = np.zeros(data.shape[:3] + (len(blocks) - data.shape[3],) + data.shape[4:], data.dtype)
-        self.kv_caches = self._scatter(self.kv_caches, blocks, np.concatenate([data, pad], axis=3))
+        data = []
+        for arrays in zip(*parts):  # each pool array: [L, Hkv, blocks, block_size, ...]
+            d = np.concatenate(arrays, axis=2)
+            pad = np.zeros(d.shape[:2] + (len(blocks) - d.shape[2],) + d.shape[3:], d.dtype)
+            data.append(np.concatenate([d, pad], axis=2))
+        self.kv_caches = self._scatter(self.kv_caches, blocks, tuple(data))
 
     def discard_swapped(self, seq_ids) -> None:
         for seq_id in seq_ids:
             self.host_blocks.pop(seq_id, None)
 
     def execute(self, out: SchedulerOutput) -> StepResult:
+        start = time.perf_counter()
         self.swap_out(out.swap_out)  # before anything this step writes into the freed blocks
         self.swap_in(out.swap_in)
         self.copy_blocks(out.block_copies)
         input_ids, md, logits_indices, prompt_lp = self.prepare(out)
         rows = out.sample_rows
         sampling = build_sampling_tensors(rows, logits_indices.shape[0], self.seed)
+        prepared = time.perf_counter()
         with jax.set_mesh(self.mesh):
-            (logits, prompt_out), self.kv_caches = self._call(
-                "forward", self._forward, self.state, self.kv_caches, input_ids, md, logits_indices, prompt_lp,
-                num_fixed=2)
+            (logits, prompt_out), self.kv_caches = self._forward(
+                self.state, self.kv_caches, input_ids, md, logits_indices, prompt_lp)
             sampled = self._call("sample", self._sample, logits, sampling)
         n = len(rows)
-        return StepResult(*(np.asarray(a)[:n] for a in sampled),
-                          prompt_logprobs=None if prompt_out is None else tuple(np.asarray(a) for a in prompt_out))
+        result = StepResult(*(np.asarray(a)[:n] for a in sampled),
+                            prompt_logprobs=None if prompt_out is None else tuple(np.asarray(a) for a in prompt_out))
+        result.prepare_seconds, result.device_seconds = prepared - start, time.perf_counter() - prepared
+        return result
 
     def prepare(self, out: SchedulerOutput):
         """The step's flat token batch, padded to power-of-two buckets, and its attention metadata."""
@@ -181,8 +326,7 @@ class ModelRunner:
             query_start_loc.append(query_start_loc[-1] + n)
         logits_indices = [query_start_loc[r.seq_row + 1] - 1 for r in out.sample_rows]
         t, s = len(input_ids), len(out.seqs)
-        t_pad, s_pad = bucket(t, 16), bucket(s, 8)
-        b_pad = bucket(max(len(tb) for tb in tables), 4)
+        t_pad, s_pad, b_pad = self.buckets(t, s, max(len(tb) for tb in tables))
         qsl = np.full(s_pad + 1, t, np.int32)
         qsl[:s + 1] = query_start_loc
         md = make_attention_metadata(
@@ -200,4 +344,48 @@ class ModelRunner:
             [(r.request, r.position) for r in rows],
             [query_start_loc[r.seq_row] + r.position - out.seqs[r.seq_row].start for r in rows],
             [r.target for r in rows])
-        return ids, md, padded_ids(logits_indices, 8, fill=0), prompt_lp
+        return ids, md, padded_ids(logits_indices, MIN_ROWS, fill=0), prompt_lp
+
+    def token_buckets(self, max_tokens: int) -> list[int]:
+        """Every padded token count a step of at most ``max_tokens`` tokens can have."""
+        sizes = [bucket(MIN_TOKENS)]
+        while sizes[-1] < bucket(max_tokens, MIN_TOKENS):
+            sizes.append(sizes[-1] * 2)
+        return sizes
+
+    def compile_heads(self, max_tokens: int, max_seqs: int) -> None:
+        """Compiles what follows the layers for every sampled-row bucket: taking the rows out of
+        each token bucket, the logits, and the sampler (greedy, and sampled without penalties or
+        filters)."""
+        if self.pieces is None:  # the whole-model forward compiles with its steps
+            return
+        row_buckets = [r for r in self.token_buckets(max_seqs)]
+        with jax.set_mesh(self.mesh):
+            for t_pad in self.token_buckets(max_tokens):
+                x = np.zeros((t_pad, self.config.hidden_size), self.dtype)
+                for r_pad in (r for r in row_buckets if r <= t_pad):
+                    self._call("rows", self._take_rows, x, np.zeros(r_pad, np.int32))
+            for r_pad in row_buckets:
+                hidden = np.zeros((r_pad, self.config.hidden_size), self.dtype)
+                logits, _ = self._call("head", self._head, self.pieces.shell_state, hidden, None, None, num_fixed=1)
+                for greedy in (True, False):
+                    tensors = build_sampling_tensors([], r_pad, self.seed)
+                    tensors.all_greedy = greedy
+                    jax.block_until_ready(self._call("sample", self._sample, logits, tensors))
+
+    def buckets(self, num_tokens: int, num_seqs: int, num_blocks: int) -> tuple[int, int, int]:
+        """Padded (tokens, sequences, blocks per sequence) of a step.
+
+        Tokens go to a power of two (at least `MIN_TOKENS`); the sequence count follows from it
+        (as many rows as tokens, at most the ``max_num_seqs`` bucket unless the step has more
+        sequences, as forking samples can), and on the ``xla`` backend
+        every block table has the columns of ``max_model_len``: its attention loops only over real
+        rows and blocks, so neither costs work, and a step's shapes depend on its token count
+        alone. The Pallas kernels keep block tables in scalar memory: there the columns are the
+        step's longest table's bucket.
+        """
+        t_pad = bucket(num_tokens, MIN_TOKENS)
+        s_pad = max(min(t_pad, self.max_seqs_bucket), bucket(num_seqs, MIN_ROWS))
+        if self.attention_backend == "xla":
+            return t_pad, s_pad, bucket(self.max_blocks_per_seq)
+        return t_pad, s_pad, bucket(num_blocks, 4)

@@ -134,32 +134,46 @@ def apply_filters(logits, t: SamplingTensors):
     return jnp.where((t.min_p[:, None] > 0) & (logits < min_logit), -jnp.inf, logits)
 
 
+def argmax(x):
+    """``jnp.argmax`` over the last axis (the first of equal maxima), as two plain reductions: XLA
+    CPU runs argmax's (value, index) reduction several times slower. A row with a NaN gives the
+    last index."""
+    vocab = x.shape[-1]
+    best = jnp.max(x, axis=-1, keepdims=True)
+    first = jnp.min(jnp.where(x == best, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)
+    return jnp.minimum(first, vocab - 1)
+
+
 def sample(logits, t: SamplingTensors):
     """logits [S, V] float32 -> (tokens [S], logprobs [S], top_ids [S, K], top_logprobs [S, K])."""
-    logprobs_all = jax.nn.log_softmax(logits, axis=-1)
+    raw_logits = logits
     if t.bias_token_ids.shape[1]:
         logits = apply_logit_bias(logits, t)
     logits = apply_masks(logits, t)
     if t.use_penalties:
         logits = apply_penalties(logits, t)
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy_tokens = argmax(logits)
     if t.all_greedy:
-        return _with_logprobs(greedy_tokens, logprobs_all, t.num_logprobs)
+        return _with_logprobs(greedy_tokens, raw_logits, t.num_logprobs)
     scaled = logits / jnp.where(t.temperature > 0, t.temperature, 1.0)[:, None]
     if t.use_filters:
         scaled = apply_filters(scaled, t)
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(t.seeds, t.steps)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
-    sampled = jnp.argmax(scaled + gumbel, axis=-1)
+    sampled = argmax(scaled + gumbel)
     tokens = jnp.where(t.temperature > 0, sampled, greedy_tokens).astype(jnp.int32)
-    return _with_logprobs(tokens, logprobs_all, t.num_logprobs)
+    return _with_logprobs(tokens, raw_logits, t.num_logprobs)
 
 
-def _with_logprobs(tokens, logprobs_all, num_logprobs):
-    token_logprobs = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
-    num_logprobs = min(num_logprobs, logprobs_all.shape[-1])  # the bucket may exceed a tiny vocabulary
+def _with_logprobs(tokens, logits, num_logprobs):
+    """The model's log-probabilities (log-softmax of ``logits``) of ``tokens`` and of each row's
+    ``num_logprobs`` likeliest tokens, without forming the whole [S, V] log-softmax."""
+    log_norm = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    token_logprobs = (jnp.take_along_axis(logits, tokens[:, None], axis=-1) - log_norm)[:, 0]
+    num_logprobs = min(num_logprobs, logits.shape[-1])  # the bucket may exceed a tiny vocabulary
     if num_logprobs:
-        top_logprobs, top_ids = jax.lax.top_k(logprobs_all, num_logprobs)
+        top_logits, top_ids = jax.lax.top_k(logits, num_logprobs)
+        top_logprobs = top_logits - log_norm
     else:
         top_logprobs = jnp.zeros((tokens.shape[0], 0), jnp.float32)
         top_ids = jnp.zeros((tokens.shape[0], 0), jnp.int32)

@@ -9,8 +9,9 @@ Layout (Megatron-LM style, one all-reduce per attention block and per MLP block)
 - the input embedding table is split on the hidden axis and the output projection (lm_head) on the
   vocabulary axis; norms, biases of row-parallel layers and position tables are replicated;
 - the KV pool ``[num_kv_heads, num_blocks, block_size, head_dim]`` is split on its head axis, so each
-  device's pool holds only its heads' slice of every block. Block tables stay on the host, once,
-  and reach every device replicated.
+  device's pool holds only its heads' slice of every block; so are the scales of 8-bit pages
+  (``[num_kv_heads, num_blocks, block_size]``), which thus stay with their pages. Block tables stay
+  on the host, once, and reach every device replicated.
 
 When a model has fewer KV heads than devices, each KV head is replicated ``N / num_kv_heads`` times
 at load time (the weights of k/v projections are repeated), so every device owns one KV head: the
@@ -131,8 +132,15 @@ def make_array(mesh: Mesh, spec: P, array: np.ndarray) -> jax.Array:
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
-def kv_pool_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P(MODEL_AXIS, None, None, None))
+# shard_map spec prefixes of `shard_heads`: activations [T, heads, ...] and pool arrays [heads, blocks, ...].
+HEADS = P(None, MODEL_AXIS)
+POOL = P(MODEL_AXIS)
+REPLICATED = P()
+
+
+def kv_pool_sharding(mesh: Mesh, ndim: int = 4) -> NamedSharding:
+    """A pool array (pages, or the scales of 8-bit pages) split on its leading head axis."""
+    return NamedSharding(mesh, P(MODEL_AXIS, *[None] * (ndim - 1)))
 
 
 def zeros_sharded(shape, dtype, sharding: NamedSharding) -> jax.Array:
@@ -148,20 +156,11 @@ def model_axis_size() -> int:
     return mesh.shape[MODEL_AXIS]
 
 
-def shard_heads(fn, num_args_sharded: int):
-    """Wraps ``fn(*head_sharded, *replicated)`` in `jax.shard_map` over the ``model`` axis.
+def shard_heads(fn, in_specs, out_specs):
+    """``fn`` under `jax.shard_map` over the ``model`` axis: each device runs it on its own heads.
 
-    The first ``num_args_sharded`` arguments (and every output) have their head axis sharded:
-    axis 1 for [T, heads, D] activations, axis 0 for [heads, blocks, block_size, D] pages.
+    Specs are pytree prefixes: `HEADS` for [T, heads, ...] activations, `POOL` for a layer's pool
+    tuple (pages and, with 8-bit pages, their scales: every array leads with the head axis),
+    `REPLICATED` for the rest (metadata, block ids).
     """
-    def spec_for(x):
-        return P(None, MODEL_AXIS, None) if x.ndim == 3 else P(MODEL_AXIS, None, None, None)
-
-    def wrapped(*args):
-        sharded, rest = args[:num_args_sharded], args[num_args_sharded:]
-        in_specs = tuple(spec_for(x) for x in sharded) + tuple(jax.tree.map(lambda _: P(), r) for r in rest)
-        out_shapes = jax.eval_shape(fn, *args)
-        out_specs = jax.tree.map(spec_for, out_shapes)
-        return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
-
-    return wrapped
+    return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, check_vma=False)

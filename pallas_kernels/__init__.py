@@ -11,11 +11,16 @@ Each function takes ``backend=None`` (auto: Mosaic on TPU, Triton on CUDA,
 XLA reference elsewhere), ``"tpu"``, ``"gpu"`` or ``"xla"``, and
 ``interpret=True`` to run a Pallas kernel on any host (auto + interpret =
 the TPU kernel). See ``paged_attention.py`` for the backend notes.
+
+8-bit KV (``quant.py``): with int8 or float8_e4m3fn pages every function also
+takes ``k_scales``/``v_scales`` ``[num_kv_heads, num_blocks, block_size]``;
+``write_kv`` quantizes, attention dequantizes.
 """
 
 from pallas_kernels._common import EXPORT_DISABLED_CHECKS
 from pallas_kernels.cache_ops import copy_blocks, write_kv
 from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.quant import KV_DTYPES, SCALE_DTYPE, dequantize, quantize
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.reference import (
     copy_blocks_reference, paged_attention_reference,
@@ -23,10 +28,14 @@ from pallas_kernels.reference import (
 
 __all__ = [
     "EXPORT_DISABLED_CHECKS",
+    "KV_DTYPES",
+    "SCALE_DTYPE",
     "copy_blocks",
     "copy_blocks_reference",
+    "dequantize",
     "paged_attention",
     "paged_attention_reference",
+    "quantize",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
     "write_kv",

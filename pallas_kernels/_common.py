@@ -111,6 +111,18 @@ def check_attention_shapes(q, k_pages, v_pages, block_tables, seq_lens):
                      f"{seq_lens.shape}")
 
 
+def with_scale_args(reference_fn, num_leading: int, **kw):
+  """``reference_fn`` called with the scales of 8-bit pages as trailing
+  positional arguments after ``num_leading`` others (how ``dispatch`` passes
+  them: ``lax.platform_dependent`` takes positional operands only), turned
+  into its ``k_scales=``/``v_scales=`` keywords."""
+  def call(*args):
+    lead, scales = args[:num_leading], args[num_leading:]
+    extra = dict(k_scales=scales[0], v_scales=scales[1]) if scales else {}
+    return reference_fn(*lead, **kw, **extra)
+  return call
+
+
 def gpu_supported(head_dim: int, block_size: int) -> bool:
   """Triton needs power-of-two tiles."""
   return (is_power_of_2(head_dim) and head_dim >= 16
@@ -160,7 +172,7 @@ def gpu_call(kernel, *, grid, in_specs, out_specs, out_shape, num_warps=4,
 # ---------------------------------------------------------------------------
 
 
-def online_softmax_step(carry, logits, v, mask):
+def online_softmax_step(carry, logits, v, mask, v_scale=None):
   """One flash-attention update.
 
   Args:
@@ -169,6 +181,9 @@ def online_softmax_step(carry, logits, v, mask):
     logits: ``[n, t]`` float32 scaled logits.
     v: ``[t, d]`` values (rows where no query may look must be finite).
     mask: bool ``[n, t]``, True where a query may look at a key.
+    v_scale: None, or float32 ``[1, t]``: value row ``j`` stands for
+      ``v_scale[j] * v[j]`` (8-bit pages); it scales the softmax weights of
+      the PV product (not the running sum), so ``v`` is never dequantized.
 
   Returns:
     The new ``(m, l, acc)``.
@@ -179,7 +194,9 @@ def online_softmax_step(carry, logits, v, mask):
   p = jnp.where(mask, jnp.exp(logits - m_next), 0.0)
   alpha = jnp.exp(m_prev - m_next)
   l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-  pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  pv_weights = p if v_scale is None else p * v_scale
+  pv = jnp.dot(pv_weights.astype(v.dtype), v,
+               preferred_element_type=jnp.float32)
   return m_next, l_next, alpha * acc_prev + pv
 
 
@@ -202,37 +219,50 @@ def qk_logits(q, k, scale):
   return s * scale
 
 
+def scale_row(scales, valid_len=None, start=0):
+  """``[pages, block_size]`` scales of a compute block as float32 ``[1, t]``
+  key-axis factors; with ``valid_len``, columns at/after it (pages that were
+  not fetched) are zero so that garbage never meets a zero weight."""
+  row = scales.astype(jnp.float32).reshape(1, -1)
+  if valid_len is not None:
+    cols = start + lax.broadcasted_iota(jnp.int32, row.shape, 1)
+    row = jnp.where(cols < valid_len, row, 0.0)
+  return row
+
+
 class PageCopies:
   """Async copies of one compute block's pages of one kv head (TPU).
 
-  Copies ``pages[head, block_id]`` for ``pages_per_compute_block`` block ids
-  read from the block table in SMEM into ``buffer.at[slot]``. Page ``j`` is
-  only copied (and waited on) when ``first_page + j < num_pages``, so pages
-  past a sequence's end are never fetched.
+  For each ``(hbm, buf)`` pair (K and V pages; and their scales with 8-bit
+  pages), copies ``hbm[head, block_id]`` for ``pages_per_compute_block``
+  block ids read from the block table in SMEM into ``buf.at[slot]``, on
+  semaphore ``sems[pair, slot]``. Page ``j`` is only copied (and waited on)
+  when ``first_page + j < num_pages``, so pages past a sequence's end are
+  never fetched.
   """
 
-  def __init__(self, k_hbm, v_hbm, k_buf, v_buf, sems, block_tables_ref,
-               table_offset, first_page, num_pages, head, slot):
+  def __init__(self, hbm_refs, bufs, sems, block_tables_ref, table_offset,
+               first_page, num_pages, head, slot):
     self._copies = []
-    for j in range(k_buf.shape[1]):
+    for j in range(bufs[0].shape[1]):
       page = first_page + j
       page_in_table = jnp.minimum(page, num_pages - 1)
       block_id = block_tables_ref[table_offset + page_in_table]
-      pair = [pltpu.make_async_copy(src.at[head, block_id], buf.at[slot, j],
-                                    sems.at[kv, slot])
-              for kv, (src, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf)))]
-      self._copies.append((page < num_pages, pair))
+      group = [pltpu.make_async_copy(src.at[head, block_id], buf.at[slot, j],
+                                     sems.at[i, slot])
+               for i, (src, buf) in enumerate(zip(hbm_refs, bufs))]
+      self._copies.append((page < num_pages, group))
 
   def start(self):
-    for needed, pair in self._copies:
+    for needed, group in self._copies:
       @pl.when(needed)
       def _():
-        for c in pair:
+        for c in group:
           c.start()
 
   def wait(self):
-    for needed, pair in self._copies:
+    for needed, group in self._copies:
       @pl.when(needed)
       def _():
-        for c in pair:
+        for c in group:
           c.wait()

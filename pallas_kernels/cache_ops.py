@@ -1,7 +1,12 @@
 """KV-pool updates: write new K/V into slots, and batched block copies.
 
 Pool layout: ``k_pages``/``v_pages`` are ``[num_kv_heads, num_blocks,
-block_size, head_dim]``; slot ``= block_id * block_size + offset``.
+block_size, head_dim]``; slot ``= block_id * block_size + offset``. With
+int8/float8_e4m3fn pages the pool also has ``k_scales``/``v_scales``
+``[num_kv_heads, num_blocks, block_size]`` (``quant.py``): ``write_kv``
+quantizes each new row per (token, head) and writes values and scale;
+``copy_blocks`` moves scales with their blocks. Both kernels handle any number
+of pool arrays that lead with ``[num_kv_heads, num_blocks, block_size]``.
 
 Both ops alias the pools to their outputs (``input_output_aliases``), so
 inside a jitted step that donates the pool (``donate_argnums``) they update it
@@ -9,10 +14,10 @@ in place; without donation XLA inserts one copy of the pool.
 
 Backends (``backend=``, same rules as ``paged_attention.py``):
   * ``"tpu"``: Mosaic. All operands stay in HBM (``pl.ANY``); the slot ids
-    (or block ids) are scalar-prefetch operands, and each token's K/V row of
-    every head (or each block of every head) is moved with one strided
-    HBM->HBM DMA. All DMAs are started, then all are waited on, so they
-    overlap; entries with a negative id start no DMA.
+    (or block ids) are scalar-prefetch operands, and each token's row of
+    every head (or each block of every head) of every pool array is moved
+    with one strided HBM->HBM DMA. All DMAs are started, then all are waited
+    on, so they overlap; entries with a negative id start no DMA.
   * ``"gpu"``: Triton. Grid ``(num_tokens | num_copies, num_kv_heads)``; each
     program loads one ``[head_dim]`` row (or ``[block_size, head_dim]`` block)
     and stores it through the aliased pool, skipping negative ids.
@@ -33,7 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
-from pallas_kernels import reference
+from pallas_kernels import quant, reference
 from pallas_kernels._common import (
     check_pools, dispatch, gpu_call, is_power_of_2, tpu_call)
 
@@ -47,11 +52,17 @@ def _gpu_ok(k_pages):
 # ---------------------------------------------------------------------------
 
 
-def _write_kv_tpu_kernel(slot_ref, k_new_hbm, v_new_hbm, _k_in, _v_in,
-                         k_out, v_out, sem):
-  # k_new_hbm: [num_kv_heads, num_tokens, head_dim]; k_out: the pool.
-  num_tokens = k_new_hbm.shape[1]
-  block_size = k_out.shape[2]
+def _pool_shapes(pools):
+  return [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in pools]
+
+
+def _write_kv_tpu_kernel(slot_ref, *refs):
+  # refs: n rows [num_kv_heads, num_tokens, ...] (HBM), n pools (aliased to
+  # the outputs, unused), n output pools, the DMA semaphore.
+  n = (len(refs) - 1) // 3
+  rows, outs, sem = refs[:n], refs[2 * n:3 * n], refs[-1]
+  num_tokens = rows[0].shape[1]
+  block_size = outs[0].shape[2]
 
   def copies(t):
     slot = slot_ref[t]
@@ -59,15 +70,15 @@ def _write_kv_tpu_kernel(slot_ref, k_new_hbm, v_new_hbm, _k_in, _v_in,
     return slot >= 0, [
         pltpu.make_async_copy(src.at[:, pl.ds(t, 1)],
                               dst.at[:, block, pl.ds(offset, 1)], sem)
-        for src, dst in ((k_new_hbm, k_out), (v_new_hbm, v_out))]
+        for src, dst in zip(rows, outs)]
 
   def run(method):
     def body(t, carry):
-      valid, pair = copies(t)
+      valid, group = copies(t)
 
       @pl.when(valid)
       def _():
-        for c in pair:
+        for c in group:
           getattr(c, method)()
       return carry
     lax.fori_loop(0, num_tokens, body, 0)
@@ -76,50 +87,67 @@ def _write_kv_tpu_kernel(slot_ref, k_new_hbm, v_new_hbm, _k_in, _v_in,
   run("wait")
 
 
-def _write_kv_tpu(k_pages, v_pages, k_new, v_new, slot_mapping, *, interpret):
+def _write_kv_tpu(slot_mapping, *arrays, interpret):
+  n = len(arrays) // 2
+  pools, rows = arrays[:n], arrays[n:]
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   return tpu_call(
       _write_kv_tpu_kernel, grid=(1,), num_scalar_prefetch=1,
-      in_specs=[any_spec] * 4, out_specs=[any_spec] * 2,
-      out_shape=[jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-                 jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
+      in_specs=[any_spec] * (2 * n), out_specs=[any_spec] * n,
+      out_shape=_pool_shapes(pools),
       scratch_shapes=[pltpu.SemaphoreType.DMA(())], parallel=False,
       # Operand indices count the scalar-prefetch operand.
-      aliases={3: 0, 4: 1}, interpret=interpret, name="write_kv_tpu",
+      aliases={1 + n + i: i for i in range(n)}, interpret=interpret,
+      name="write_kv_tpu",
   )(slot_mapping.astype(jnp.int32),
-    jnp.swapaxes(k_new, 0, 1).astype(k_pages.dtype),
-    jnp.swapaxes(v_new, 0, 1).astype(v_pages.dtype), k_pages, v_pages)
+    *[jnp.swapaxes(r, 0, 1).astype(x.dtype) for r, x in zip(rows, pools)],
+    *pools)
 
 
-def _write_kv_gpu_kernel(slot_ref, k_new_ref, v_new_ref, _k_in, _v_in,
-                         k_out, v_out):
-  # k_new_ref: [head_dim] of (token t, head h); k_out: the whole pool.
+def _write_kv_gpu_kernel(slot_ref, *refs):
+  # refs: n rows of (token t, head h) ([head_dim], or [1] for a scale), n
+  # pools (aliased, unused), n output pools (whole).
+  n = len(refs) // 3
+  rows, outs = refs[:n], refs[2 * n:]
   t, h = pl.program_id(0), pl.program_id(1)
-  block_size = k_out.shape[2]
+  block_size = outs[0].shape[2]
   slot = slot_ref[t]
 
   @pl.when(slot >= 0)
   def _():
     block, offset = lax.div(slot, block_size), lax.rem(slot, block_size)
-    k_out[h, block, offset, :] = k_new_ref[...]
-    v_out[h, block, offset, :] = v_new_ref[...]
+    for row, out in zip(rows, outs):
+      if out.ndim == 4:
+        out[h, block, offset, :] = row[...]
+      else:  # a scale: [num_kv_heads, num_blocks, block_size]
+        out[h, block, pl.ds(offset, 1)] = row[...]
 
 
-def _write_kv_gpu(k_pages, v_pages, k_new, v_new, slot_mapping, *, interpret):
-  num_tokens, num_kv_heads, head_dim = k_new.shape
-  row_spec = pl.BlockSpec((None, None, head_dim), lambda t, h: (t, h, 0))
-  pool_spec = pl.BlockSpec(k_pages.shape, lambda t, h: (0, 0, 0, 0))
+def _write_kv_gpu(slot_mapping, *arrays, interpret):
+  n = len(arrays) // 2
+  pools, rows = arrays[:n], arrays[n:]
+  num_tokens, num_kv_heads = rows[0].shape[:2]
+  # Scale rows get a trailing axis of 1 (Triton blocks are never 0-d).
+  rows = [(r if r.ndim == 3 else r[..., None]).astype(x.dtype)
+          for r, x in zip(rows, pools)]
+  row_specs = [pl.BlockSpec((None, None, r.shape[-1]), lambda t, h: (t, h, 0))
+               for r in rows]
+  pool_specs = [pl.BlockSpec(x.shape, lambda t, h, nd=x.ndim: (0,) * nd)
+                for x in pools]
   return gpu_call(
       _write_kv_gpu_kernel, grid=(num_tokens, num_kv_heads),
       in_specs=[pl.BlockSpec(slot_mapping.shape, lambda t, h: (0,)),
-                row_spec, row_spec, pool_spec, pool_spec],
-      out_specs=[pool_spec, pool_spec],
-      out_shape=[jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-                 jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
-      num_warps=1, num_stages=1, aliases={3: 0, 4: 1},
+                *row_specs, *pool_specs],
+      out_specs=pool_specs, out_shape=_pool_shapes(pools),
+      num_warps=1, num_stages=1,
+      aliases={1 + n + i: i for i in range(n)},
       interpret=interpret, name="write_kv_gpu",
-  )(slot_mapping.astype(jnp.int32), k_new.astype(k_pages.dtype),
-    v_new.astype(v_pages.dtype), k_pages, v_pages)
+  )(slot_mapping.astype(jnp.int32), *rows, *pools)
+
+
+def _write_kv_xla(slot_mapping, *arrays):
+  n = len(arrays) // 2
+  return reference.write_slots(arrays[:n], arrays[n:], slot_mapping)
 
 
 @functools.partial(jax.jit, static_argnames=["backend", "interpret"])
@@ -130,9 +158,11 @@ def write_kv(
     v_new: jax.Array,
     slot_mapping: jax.Array,
     *,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
     backend: str | None = None,
     interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, ...]:
   """Writes each new token's K/V (all heads) into its pool slot.
 
   Args:
@@ -141,11 +171,15 @@ def write_kv(
       dtype).
     slot_mapping: int32 ``[num_tokens]``; negative slots are padding and
       skipped.
+    k_scales, v_scales: with int8/float8_e4m3fn pages, their ``[num_kv_heads,
+      num_blocks, block_size]`` scales; each new row is quantized with its
+      own scale (``quant.quantize``) and both are written.
     backend: ``None``/``"auto"``, ``"tpu"``, ``"gpu"`` or ``"xla"``.
     interpret: run the Pallas kernel in interpret mode (any host).
 
   Returns:
-    The updated ``(k_pages, v_pages)``, aliasing the inputs.
+    The updated ``(k_pages, v_pages)`` (then ``k_scales, v_scales`` when
+    given), aliasing the inputs.
   """
   check_pools(k_pages, v_pages)
   num_kv_heads, _, _, head_dim = k_pages.shape
@@ -155,10 +189,12 @@ def write_kv(
     raise ValueError("k_new/v_new must be [num_tokens, num_kv_heads, "
                      "head_dim] and slot_mapping [num_tokens]; got "
                      f"{k_new.shape}, {v_new.shape}, {slot_mapping.shape}")
+  pools, rows = quant.pools_and_rows(k_pages, v_pages, k_new, v_new, k_scales,
+                                     v_scales)
   impl = dispatch(backend, interpret, tpu=_write_kv_tpu,
                   gpu=_write_kv_gpu if _gpu_ok(k_pages) else None,
-                  xla=reference.write_kv_reference)
-  return tuple(impl(k_pages, v_pages, k_new, v_new, slot_mapping))
+                  xla=_write_kv_xla)
+  return tuple(impl(slot_mapping, *pools, *rows))
 
 
 # ---------------------------------------------------------------------------
@@ -166,7 +202,10 @@ def write_kv(
 # ---------------------------------------------------------------------------
 
 
-def _copy_blocks_tpu_kernel(src_ref, dst_ref, _k_in, _v_in, k_out, v_out, sem):
+def _copy_blocks_tpu_kernel(src_ref, dst_ref, *refs):
+  # refs: n pools (aliased, unused), n output pools, the DMA semaphore.
+  n = (len(refs) - 1) // 2
+  outs, sem = refs[n:2 * n], refs[-1]
   num_copies = src_ref.shape[0]
 
   def run(method):
@@ -175,7 +214,7 @@ def _copy_blocks_tpu_kernel(src_ref, dst_ref, _k_in, _v_in, k_out, v_out, sem):
 
       @pl.when((src >= 0) & (dst >= 0))
       def _():
-        for pages in (k_out, v_out):
+        for pages in outs:
           copy = pltpu.make_async_copy(pages.at[:, src], pages.at[:, dst], sem)
           getattr(copy, method)()
       return carry
@@ -185,41 +224,47 @@ def _copy_blocks_tpu_kernel(src_ref, dst_ref, _k_in, _v_in, k_out, v_out, sem):
   run("wait")
 
 
-def _copy_blocks_tpu(k_pages, v_pages, src, dst, *, interpret):
+def _copy_blocks_tpu(src, dst, *pools, interpret):
+  n = len(pools)
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   return tpu_call(
       _copy_blocks_tpu_kernel, grid=(1,), num_scalar_prefetch=2,
-      in_specs=[any_spec] * 2, out_specs=[any_spec] * 2,
-      out_shape=[jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-                 jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
+      in_specs=[any_spec] * n, out_specs=[any_spec] * n,
+      out_shape=_pool_shapes(pools),
       scratch_shapes=[pltpu.SemaphoreType.DMA(())], parallel=False,
-      aliases={2: 0, 3: 1}, interpret=interpret, name="copy_blocks_tpu",
-  )(src.astype(jnp.int32), dst.astype(jnp.int32), k_pages, v_pages)
+      aliases={2 + i: i for i in range(n)}, interpret=interpret,
+      name="copy_blocks_tpu",
+  )(src.astype(jnp.int32), dst.astype(jnp.int32), *pools)
 
 
-def _copy_blocks_gpu_kernel(src_ref, dst_ref, _k_in, _v_in, k_out, v_out):
+def _copy_blocks_gpu_kernel(src_ref, dst_ref, *refs):
+  outs = refs[len(refs) // 2:]
   i, h = pl.program_id(0), pl.program_id(1)
   src, dst = src_ref[i], dst_ref[i]
 
   @pl.when((src >= 0) & (dst >= 0))
   def _():
-    for pages in (k_out, v_out):
+    for pages in outs:
       pages[h, dst] = pages[h, src]
 
 
-def _copy_blocks_gpu(k_pages, v_pages, src, dst, *, interpret):
-  num_kv_heads = k_pages.shape[0]
+def _copy_blocks_gpu(src, dst, *pools, interpret):
+  n = len(pools)
+  num_kv_heads = pools[0].shape[0]
   ids_spec = pl.BlockSpec(src.shape, lambda i, h: (0,))
-  pool_spec = pl.BlockSpec(k_pages.shape, lambda i, h: (0, 0, 0, 0))
+  pool_specs = [pl.BlockSpec(x.shape, lambda i, h, nd=x.ndim: (0,) * nd)
+                for x in pools]
   return gpu_call(
       _copy_blocks_gpu_kernel, grid=(src.shape[0], num_kv_heads),
-      in_specs=[ids_spec, ids_spec, pool_spec, pool_spec],
-      out_specs=[pool_spec, pool_spec],
-      out_shape=[jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-                 jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
-      num_warps=4, num_stages=1, aliases={2: 0, 3: 1},
+      in_specs=[ids_spec, ids_spec, *pool_specs],
+      out_specs=pool_specs, out_shape=_pool_shapes(pools),
+      num_warps=4, num_stages=1, aliases={2 + i: i for i in range(n)},
       interpret=interpret, name="copy_blocks_gpu",
-  )(src.astype(jnp.int32), dst.astype(jnp.int32), k_pages, v_pages)
+  )(src.astype(jnp.int32), dst.astype(jnp.int32), *pools)
+
+
+def _copy_blocks_xla(src, dst, *pools):
+  return reference.copy_pool_blocks(pools, src, dst)
 
 
 @functools.partial(jax.jit, static_argnames=["backend", "interpret"])
@@ -229,10 +274,13 @@ def copy_blocks(
     src: jax.Array,
     dst: jax.Array,
     *,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
     backend: str | None = None,
     interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:
-  """Copies block ``src[i]`` to block ``dst[i]`` in every head of K and V.
+) -> tuple[jax.Array, ...]:
+  """Copies block ``src[i]`` to block ``dst[i]`` in every head of K and V
+  (and of their scales, with 8-bit pages).
 
   Used for copy-on-write of shared blocks and for swap-in; one call carries
   all copies of a step.
@@ -241,19 +289,23 @@ def copy_blocks(
     k_pages, v_pages: ``[num_kv_heads, num_blocks, block_size, head_dim]``.
     src, dst: int32 ``[num_copies]`` block ids; a pair with a negative id is
       padding and skipped. Destinations must be distinct and not sources.
+    k_scales, v_scales: ``[num_kv_heads, num_blocks, block_size]`` with
+      int8/float8_e4m3fn pages, else None.
     backend: ``None``/``"auto"``, ``"tpu"``, ``"gpu"`` or ``"xla"``.
     interpret: run the Pallas kernel in interpret mode (any host).
 
   Returns:
-    The updated ``(k_pages, v_pages)``, aliasing the inputs.
+    The updated ``(k_pages, v_pages)`` (then the scales, when given),
+    aliasing the inputs.
   """
   check_pools(k_pages, v_pages)
+  pools = quant.pools_of(k_pages, v_pages, k_scales, v_scales)
   if src.ndim != 1 or src.shape != dst.shape:
     raise ValueError(f"src and dst must both be [num_copies]; got {src.shape} "
                      f"and {dst.shape}")
   if src.shape[0] == 0:
-    return k_pages, v_pages
+    return pools
   impl = dispatch(backend, interpret, tpu=_copy_blocks_tpu,
                   gpu=_copy_blocks_gpu if _gpu_ok(k_pages) else None,
-                  xla=reference.copy_blocks_reference)
-  return tuple(impl(k_pages, v_pages, src, dst))
+                  xla=_copy_blocks_xla)
+  return tuple(impl(src, dst, *pools))

@@ -13,6 +13,12 @@ Layout (shared by every kernel in this package):
   seq_lens: int32 ``[num_seqs]``.
   ``num_q_heads = num_kv_heads * group``; query head ``h`` reads kv head
   ``h // group``.
+  k_scales, v_scales (optional, with int8/float8_e4m3fn pages):
+    ``[num_kv_heads, num_blocks, block_size]``, fetched page by page with
+    K/V; a compute block's scales are one ``[1, pages * block_size]`` row
+    that multiplies the ``q @ k`` logits (K) and the softmax weights of the
+    PV product (V), so pages are only cast, never dequantized element-wise
+    (``quant.py``).
 
 Backends (``backend=``):
   * ``"tpu"``: Mosaic TPU. Grid ``(num_seqs, num_kv_heads)``, both parallel
@@ -57,7 +63,8 @@ from pallas_kernels import reference
 from pallas_kernels._common import (
     PageCopies, check_attention_shapes, dispatch, finalize_softmax, gpu_call,
     gpu_supported, init_softmax_carry, next_power_of_2, online_softmax_step,
-    qk_logits, tpu_call)
+    qk_logits, scale_row, with_scale_args, tpu_call)
+from pallas_kernels import quant
 
 
 # ---------------------------------------------------------------------------
@@ -71,20 +78,19 @@ def _tpu_kernel(
     block_tables_ref,  # [num_seqs * pages_per_seq]
     # Inputs.
     q_ref,  # [group, head_dim] (VMEM)
-    k_hbm,  # [num_kv_heads, num_blocks, block_size, head_dim] (HBM)
-    v_hbm,  # same
-    # Output.
-    o_ref,  # [group, head_dim]
-    # Scratch.
-    k_buf,  # [2, pages_per_compute_block, block_size, head_dim] (VMEM)
-    v_buf,  # same
-    sems,  # DMA [2 (k, v), 2 (slot)]
-    *,
+    *refs,
     pages_per_seq: int,
     scale: float,
 ):
+  # refs, n = 2 (K, V) or 4 (K, V, K scales, V scales) pool arrays:
+  #   n pools in HBM, [num_kv_heads, num_blocks, block_size, ...];
+  #   o_ref [group, head_dim];
+  #   n VMEM buffers [2 (slot), pages_per_compute_block, block_size, ...];
+  #   sems: DMA [n, 2 (slot)].
+  n = (len(refs) - 2) // 2
+  hbm, o_ref, bufs, sems = refs[:n], refs[n], refs[n + 1:2 * n + 1], refs[-1]
   s, h = pl.program_id(0), pl.program_id(1)
-  _, ppcb, block_size, head_dim = k_buf.shape
+  _, ppcb, block_size, head_dim = bufs[0].shape
   bk = ppcb * block_size
   group = q_ref.shape[0]
   seq_len = seq_lens_ref[s]
@@ -92,8 +98,8 @@ def _tpu_kernel(
   num_steps = pl.cdiv(seq_len, bk)
 
   def copies(step, slot):
-    return PageCopies(k_hbm, v_hbm, k_buf, v_buf, sems, block_tables_ref,
-                      s * pages_per_seq, step * ppcb, num_pages, h, slot)
+    return PageCopies(hbm, bufs, sems, block_tables_ref, s * pages_per_seq,
+                      step * ppcb, num_pages, h, slot)
 
   @pl.when(num_steps > 0)
   def _():
@@ -111,42 +117,47 @@ def _tpu_kernel(
     copies(step, slot).wait()
     # Cast before merging (pages, block_size): float32 tiles are (8, 128), so
     # the merge is layout-free for any block_size that is a multiple of 8.
-    k = k_buf[slot].astype(jnp.float32).reshape(bk, head_dim)
-    v = v_buf[slot].astype(jnp.float32).reshape(bk, head_dim)
+    k = bufs[0][slot].astype(jnp.float32).reshape(bk, head_dim)
+    v = bufs[1][slot].astype(jnp.float32).reshape(bk, head_dim)
     cols = step * bk + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
     v = jnp.where(cols < seq_len, v, 0.0)  # unfetched pages hold garbage
     mask = (step * bk + lax.broadcasted_iota(jnp.int32, (group, bk), 1)
             < seq_len)
-    return online_softmax_step(carry, qk_logits(q, k, scale), v, mask)
+    logits = qk_logits(q, k, scale)
+    v_scale = None
+    if n == 4:  # 8-bit pages
+      logits = logits * scale_row(bufs[2][slot])
+      v_scale = scale_row(bufs[3][slot], seq_len, step * bk)
+    return online_softmax_step(carry, logits, v, mask, v_scale)
 
   carry = lax.fori_loop(0, num_steps, body, init_softmax_carry(group, head_dim))
   o_ref[...] = finalize_softmax(carry).astype(o_ref.dtype)
 
 
-def _paged_attention_tpu(q, k_pages, v_pages, block_tables, seq_lens, *,
+def _paged_attention_tpu(q, k_pages, v_pages, block_tables, seq_lens, *scales,
                          scale, pages_per_compute_block, interpret):
   num_seqs, num_q_heads, head_dim = q.shape
   num_kv_heads, _, block_size, _ = k_pages.shape
   group = num_q_heads // num_kv_heads
   pages_per_seq = block_tables.shape[1]
   ppcb = min(pages_per_compute_block, pages_per_seq)
+  pools = (k_pages, v_pages, *scales)
   # [group, head_dim] tiles equal the array's last two dims, so any group is
   # a legal Mosaic block; q is tiny in decode, so compute in float32.
   q4 = q.reshape(num_seqs, num_kv_heads, group, head_dim).astype(jnp.float32)
   qo_spec = pl.BlockSpec((None, None, group, head_dim),
                          lambda s, h, *_: (s, h, 0, 0))
-  buf = pltpu.VMEM((2, ppcb, block_size, head_dim), k_pages.dtype)
+  bufs = [pltpu.VMEM((2, ppcb) + x.shape[2:], x.dtype) for x in pools]
   out = tpu_call(
       functools.partial(_tpu_kernel, pages_per_seq=pages_per_seq, scale=scale),
       grid=(num_seqs, num_kv_heads), num_scalar_prefetch=2,
-      in_specs=[qo_spec, pl.BlockSpec(memory_space=pl.ANY),
-                pl.BlockSpec(memory_space=pl.ANY)],
+      in_specs=[qo_spec] + [pl.BlockSpec(memory_space=pl.ANY)] * len(pools),
       out_specs=qo_spec,
       out_shape=jax.ShapeDtypeStruct(q4.shape, jnp.float32),
-      scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2, 2))],
+      scratch_shapes=bufs + [pltpu.SemaphoreType.DMA((len(pools), 2))],
       interpret=interpret, name="paged_attention_tpu",
   )(seq_lens.astype(jnp.int32), block_tables.astype(jnp.int32).reshape(-1),
-    q4, k_pages, v_pages)
+    q4, *pools)
   return out.reshape(q.shape).astype(q.dtype)
 
 
@@ -159,13 +170,14 @@ def _gpu_kernel(
     q_ref,  # [group_padded, head_dim]
     k_ref,  # [num_blocks, block_size, head_dim] (this kv head)
     v_ref,  # same
-    block_table_ref,  # [pages_per_seq_padded] (this sequence)
-    seq_len_ref,  # [] (this sequence)
-    o_ref,  # [group_padded, head_dim]
-    *,
+    *refs,  # [k_scale_ref, v_scale_ref ([num_blocks, block_size], this kv
+            # head; 8-bit pages only)], then:
+            # block_table_ref [pages_per_seq_padded] (this sequence),
+            # seq_len_ref [] (this sequence), o_ref [group_padded, head_dim]
     pages_per_compute_block: int,
     scale: float,
 ):
+  scale_refs, (block_table_ref, seq_len_ref, o_ref) = refs[:-3], refs[-3:]
   group, head_dim = q_ref.shape
   block_size = k_ref.shape[1]
   ppcb = pages_per_compute_block
@@ -177,17 +189,24 @@ def _gpu_kernel(
     block_ids = block_table_ref[pl.ds(step * ppcb, ppcb)]
     k = k_ref[block_ids].reshape(bk, head_dim)
     v = v_ref[block_ids].reshape(bk, head_dim)
+    if scale_refs:  # 8-bit pages: cast (exact) to the query dtype
+      k, v = k.astype(q.dtype), v.astype(q.dtype)
     cols = step * bk + lax.broadcasted_iota(jnp.int32, (group, bk), 1)
     mask = cols < seq_len
     v = jnp.where((step * bk + jnp.arange(bk) < seq_len)[:, None], v, 0)
-    return online_softmax_step(carry, qk_logits(q, k, scale), v, mask)
+    logits = qk_logits(q, k, scale)
+    v_scale = None
+    if scale_refs:
+      logits = logits * scale_row(scale_refs[0][block_ids])
+      v_scale = scale_row(scale_refs[1][block_ids], seq_len, step * bk)
+    return online_softmax_step(carry, logits, v, mask, v_scale)
 
   carry = lax.fori_loop(0, pl.cdiv(seq_len, bk), body,
                         init_softmax_carry(group, head_dim))
   o_ref[...] = finalize_softmax(carry).astype(o_ref.dtype)
 
 
-def _paged_attention_gpu(q, k_pages, v_pages, block_tables, seq_lens, *,
+def _paged_attention_gpu(q, k_pages, v_pages, block_tables, seq_lens, *scales,
                          scale, pages_per_compute_block, interpret,
                          num_warps=4, num_stages=2):
   num_seqs, num_q_heads, head_dim = q.shape
@@ -207,17 +226,19 @@ def _paged_attention_gpu(q, k_pages, v_pages, block_tables, seq_lens, *,
                          lambda s, h: (s, h, 0, 0))
   kv_spec = pl.BlockSpec((None, num_blocks, block_size, head_dim),
                          lambda s, h: (h, 0, 0, 0))
+  scale_spec = pl.BlockSpec((None, num_blocks, block_size),
+                            lambda s, h: (h, 0, 0))
   out = gpu_call(
       functools.partial(_gpu_kernel, pages_per_compute_block=ppcb, scale=scale),
       grid=(num_seqs, num_kv_heads),
-      in_specs=[qo_spec, kv_spec, kv_spec,
+      in_specs=[qo_spec, kv_spec, kv_spec, *[scale_spec] * len(scales),
                 pl.BlockSpec((None, tables.shape[1]), lambda s, h: (s, 0)),
                 pl.BlockSpec((None,), lambda s, h: (s,))],
       out_specs=qo_spec,
       out_shape=jax.ShapeDtypeStruct(q4.shape, q.dtype),
       num_warps=num_warps, num_stages=num_stages,
       interpret=interpret, name="paged_attention_gpu",
-  )(q4, k_pages, v_pages, tables, seq_lens.astype(jnp.int32))
+  )(q4, k_pages, v_pages, *scales, tables, seq_lens.astype(jnp.int32))
   return out[:, :, :group].reshape(q.shape)
 
 
@@ -239,6 +260,8 @@ def paged_attention(
     *,
     scale: float,
     pages_per_compute_block: int = 8,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
     backend: str | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -253,6 +276,8 @@ def paged_attention(
     scale: softmax scale applied to ``q @ k``.
     pages_per_compute_block: pages per online-softmax step (clipped to
       ``max_blocks_per_seq``; rounded up to a power of two on GPU).
+    k_scales, v_scales: ``[num_kv_heads, num_blocks, block_size]`` with
+      int8/float8_e4m3fn pages (``quant.py``), else None.
     backend: ``None``/``"auto"``, ``"tpu"``, ``"gpu"`` or ``"xla"``; see the
       module docstring.
     interpret: run the Pallas kernel in interpret mode (any host).
@@ -262,6 +287,7 @@ def paged_attention(
     accumulation).
   """
   check_attention_shapes(q, k_pages, v_pages, block_tables, seq_lens)
+  scales = quant.pools_of(k_pages, v_pages, k_scales, v_scales)[2:]
   if pages_per_compute_block < 1:
     raise ValueError(f"{pages_per_compute_block=} must be >= 1")
   knobs = dict(scale=scale, pages_per_compute_block=pages_per_compute_block)
@@ -271,5 +297,5 @@ def paged_attention(
       tpu=functools.partial(_paged_attention_tpu, **knobs),
       gpu=(functools.partial(_paged_attention_gpu, **knobs)
            if gpu_supported(head_dim, block_size) else None),
-      xla=functools.partial(reference.paged_attention_reference, scale=scale))
-  return impl(q, k_pages, v_pages, block_tables, seq_lens)
+      xla=with_scale_args(reference.paged_attention_reference, 5, scale=scale))
+  return impl(q, k_pages, v_pages, block_tables, seq_lens, *scales)

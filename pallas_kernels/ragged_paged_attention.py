@@ -31,6 +31,11 @@ are (8, 128)/(16, 128)-aligned in the second-minor dimension.
 
 GPU (Triton): the same loops; pages are gathered by block-id vectors. See
 ``paged_attention.py`` for why Triton and the export caveat.
+
+8-bit pages (``k_scales``/``v_scales``, see ``quant.py``): the scales travel
+with their pages (one more DMA / gather each) and act on the key axis, as in
+``paged_attention.py``; int8/float8 pages are cast to the query dtype (exact)
+for the matmuls.
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ from pallas_kernels import reference
 from pallas_kernels._common import (
     PageCopies, check_attention_shapes, dispatch, finalize_softmax, gpu_call,
     gpu_supported, init_softmax_carry, next_power_of_2, online_softmax_step,
-    qk_logits, tpu_call)
+    qk_logits, scale_row, with_scale_args, tpu_call)
+from pallas_kernels import quant
 
 
 def _tile_metadata(query_start_loc, num_seqs, num_tiles, tile):
@@ -110,19 +116,19 @@ def _tpu_kernel(
     block_tables_ref,  # [max_seqs * pages_per_seq]
     # Inputs.
     q_ref,  # [tile * group, head_dim] (VMEM), this kv head
-    k_hbm,  # [num_kv_heads, num_blocks, block_size, head_dim] (HBM)
-    v_hbm,
-    # Output.
-    o_ref,  # [tile * group, head_dim]
-    # Scratch.
-    k_buf,  # [2, pages_per_compute_block, block_size, head_dim] (VMEM)
-    v_buf,
-    sems,  # DMA [2, 2]
-    *,
+    *refs,
     group: int,
     pages_per_seq: int,
     scale: float,
 ):
+  # refs, m = 2 (K, V) or 4 (K, V, K scales, V scales) pool arrays:
+  #   m pools in HBM [num_kv_heads, num_blocks, block_size, ...];
+  #   o_ref [tile * group, head_dim];
+  #   m VMEM buffers [2, pages_per_compute_block, block_size, ...];
+  #   sems: DMA [m, 2].
+  m = (len(refs) - 2) // 2
+  hbm, o_ref, bufs, sems = refs[:m], refs[m], refs[m + 1:2 * m + 1], refs[-1]
+  k_buf, v_buf = bufs[:2]
   h, t = pl.program_id(0), pl.program_id(1)
   n, head_dim = q_ref.shape
   tile = n // group
@@ -131,10 +137,11 @@ def _tpu_kernel(
   tile_start = t * tile
   # Merging (pages, block_size) into one sublane axis is layout-free only when
   # block_size is a multiple of the dtype's sublane tiling (8 rows of 32 bits,
-  # 16 of bfloat16); otherwise compute in float32.
-  packing = 4 // k_buf.dtype.itemsize
-  compute_dtype = (k_buf.dtype if block_size % (8 * packing) == 0
-                   else jnp.float32)
+  # 16 of bfloat16); otherwise compute in float32. 8-bit pages are cast to
+  # the query dtype first.
+  dtype = q_ref.dtype if m == 4 else k_buf.dtype
+  packing = 4 // dtype.itemsize
+  compute_dtype = dtype if block_size % (8 * packing) == 0 else jnp.float32
   q = q_ref[...].astype(compute_dtype)
 
   def seq_body(s, out):
@@ -144,8 +151,8 @@ def _tpu_kernel(
     num_steps = pl.cdiv(kv_end, bk)
 
     def copies(step, slot):
-      return PageCopies(k_hbm, v_hbm, k_buf, v_buf, sems, block_tables_ref,
-                        s * pages_per_seq, step * ppcb, num_pages, h, slot)
+      return PageCopies(hbm, bufs, sems, block_tables_ref, s * pages_per_seq,
+                        step * ppcb, num_pages, h, slot)
 
     @pl.when(num_steps > 0)
     def _():
@@ -164,7 +171,12 @@ def _tpu_kernel(
       cols = step * bk + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
       v = jnp.where(cols < kv_end, v, jnp.zeros_like(v))
       mask = _causal_mask(first_pos, tile_start, step * bk, group, (n, bk))
-      return online_softmax_step(carry, qk_logits(q, k, scale), v, mask)
+      logits = qk_logits(q, k, scale)
+      v_scale = None
+      if m == 4:  # 8-bit pages
+        logits = logits * scale_row(bufs[2][slot])
+        v_scale = scale_row(bufs[3][slot], kv_end, step * bk)
+      return online_softmax_step(carry, logits, v, mask, v_scale)
 
     carry = lax.fori_loop(0, num_steps, kv_body,
                           init_softmax_carry(n, head_dim))
@@ -177,7 +189,7 @@ def _tpu_kernel(
 
 
 def _ragged_tpu(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
-                num_seqs, *, scale, num_queries_per_block,
+                num_seqs, *scales, scale, num_queries_per_block,
                 pages_per_compute_block, interpret):
   num_tokens, num_q_heads, head_dim = q.shape
   num_kv_heads, _, block_size, _ = k_pages.shape
@@ -190,19 +202,19 @@ def _ragged_tpu(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
   qsl, first, end = _tile_metadata(query_start_loc, num_seqs, num_tiles, tile)
   qo_spec = pl.BlockSpec((None, tile * group, head_dim),
                          lambda h, t, *_: (h, t, 0))
-  buf = pltpu.VMEM((2, ppcb, block_size, head_dim), k_pages.dtype)
+  pools = (k_pages, v_pages, *scales)
+  bufs = [pltpu.VMEM((2, ppcb) + x.shape[2:], x.dtype) for x in pools]
   out = tpu_call(
       functools.partial(_tpu_kernel, group=group, pages_per_seq=pages_per_seq,
                         scale=scale),
       grid=(num_kv_heads, num_tiles), num_scalar_prefetch=5,
-      in_specs=[qo_spec, pl.BlockSpec(memory_space=pl.ANY),
-                pl.BlockSpec(memory_space=pl.ANY)],
+      in_specs=[qo_spec] + [pl.BlockSpec(memory_space=pl.ANY)] * len(pools),
       out_specs=qo_spec,
       out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
-      scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2, 2))],
+      scratch_shapes=bufs + [pltpu.SemaphoreType.DMA((len(pools), 2))],
       interpret=interpret, name="ragged_paged_attention_tpu",
   )(seq_lens.astype(jnp.int32), qsl, first, end,
-    block_tables.astype(jnp.int32).reshape(-1), qg, k_pages, v_pages)
+    block_tables.astype(jnp.int32).reshape(-1), qg, *pools)
   return unpack(out)
 
 
@@ -233,17 +245,19 @@ def _gpu_kernel(
     q_ref,  # [tile * group, head_dim], this kv head
     k_ref,  # [num_blocks, block_size, head_dim], this kv head
     v_ref,
-    block_tables_ref,  # [max_seqs, pages_per_seq_padded]
-    seq_lens_ref,  # [max_seqs]
-    qsl_ref,  # [max_seqs + 1], sanitized
-    first_seq_ref,  # [num_tiles]
-    end_seq_ref,  # [num_tiles]
-    o_ref,  # [tile * group, head_dim]
-    *,
+    *refs,  # [k_scale_ref, v_scale_ref ([num_blocks, block_size], this kv
+            # head; 8-bit pages only)], then:
+            # block_tables_ref [max_seqs, pages_per_seq_padded],
+            # seq_lens_ref [max_seqs], qsl_ref [max_seqs + 1] (sanitized),
+            # first_seq_ref [num_tiles], end_seq_ref [num_tiles],
+            # o_ref [tile * group, head_dim]
     group: int,
     pages_per_compute_block: int,
     scale: float,
 ):
+  scale_refs = refs[:-6]
+  (block_tables_ref, seq_lens_ref, qsl_ref, first_seq_ref, end_seq_ref,
+   o_ref) = refs[-6:]
   t = pl.program_id(1)
   n, head_dim = q_ref.shape
   tile = n // group
@@ -261,9 +275,16 @@ def _gpu_kernel(
       block_ids = block_tables_ref[s, pl.ds(step * ppcb, ppcb)]
       k = k_ref[block_ids].reshape(bk, head_dim)
       v = v_ref[block_ids].reshape(bk, head_dim)
+      if scale_refs:  # 8-bit pages: cast (exact) to the query dtype
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
       v = jnp.where((step * bk + jnp.arange(bk) < kv_end)[:, None], v, 0)
       mask = _causal_mask(first_pos, tile_start, step * bk, group, (n, bk))
-      return online_softmax_step(carry, qk_logits(q, k, scale), v, mask)
+      logits = qk_logits(q, k, scale)
+      v_scale = None
+      if scale_refs:
+        logits = logits * scale_row(scale_refs[0][block_ids])
+        v_scale = scale_row(scale_refs[1][block_ids], kv_end, step * bk)
+      return online_softmax_step(carry, logits, v, mask, v_scale)
 
     carry = lax.fori_loop(0, pl.cdiv(kv_end, bk), kv_body,
                           init_softmax_carry(n, head_dim))
@@ -276,7 +297,7 @@ def _gpu_kernel(
 
 
 def _ragged_gpu(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
-                num_seqs, *, scale, num_queries_per_block,
+                num_seqs, *scales, scale, num_queries_per_block,
                 pages_per_compute_block, interpret, num_warps=4, num_stages=2):
   num_tokens, num_q_heads, head_dim = q.shape
   num_kv_heads, num_blocks, block_size, _ = k_pages.shape
@@ -296,6 +317,8 @@ def _ragged_gpu(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
   qo_spec = pl.BlockSpec((None, tile * group, head_dim), lambda h, t: (h, t, 0))
   kv_spec = pl.BlockSpec((None, num_blocks, block_size, head_dim),
                          lambda h, t: (h, 0, 0, 0))
+  scale_spec = pl.BlockSpec((None, num_blocks, block_size),
+                            lambda h, t: (h, 0, 0))
 
   def whole(x):
     return pl.BlockSpec(x.shape, lambda h, t: (0,) * x.ndim)
@@ -305,12 +328,13 @@ def _ragged_gpu(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
       functools.partial(_gpu_kernel, group=group, pages_per_compute_block=ppcb,
                         scale=scale),
       grid=(num_kv_heads, num_tiles),
-      in_specs=[qo_spec, kv_spec, kv_spec, *map(whole, metadata)],
+      in_specs=[qo_spec, kv_spec, kv_spec, *[scale_spec] * len(scales),
+                *map(whole, metadata)],
       out_specs=qo_spec,
       out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
       num_warps=num_warps, num_stages=num_stages,
       interpret=interpret, name="ragged_paged_attention_gpu",
-  )(qg, k_pages, v_pages, *metadata)
+  )(qg, k_pages, v_pages, *scales, *metadata)
   return unpack(out)
 
 
@@ -335,6 +359,8 @@ def ragged_paged_attention(
     scale: float,
     num_queries_per_block: int = 16,
     pages_per_compute_block: int = 8,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
     backend: str | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -352,6 +378,8 @@ def ragged_paged_attention(
     num_queries_per_block: query tokens per tile (TPU: a multiple of 16;
       GPU: rounded up to a power of two with ``tile * group >= 16``).
     pages_per_compute_block: pages per online-softmax step.
+    k_scales, v_scales: ``[num_kv_heads, num_blocks, block_size]`` with
+      int8/float8_e4m3fn pages (``quant.py``), else None.
     backend: ``None``/``"auto"``, ``"tpu"``, ``"gpu"`` or ``"xla"``; see
       ``paged_attention.py``.
     interpret: run the Pallas kernel in interpret mode (any host).
@@ -361,6 +389,7 @@ def ragged_paged_attention(
     zeros.
   """
   check_attention_shapes(q, k_pages, v_pages, block_tables, seq_lens)
+  scales = quant.pools_of(k_pages, v_pages, k_scales, v_scales)[2:]
   if query_start_loc.shape != (block_tables.shape[0] + 1,):
     raise ValueError(f"query_start_loc must be [max_seqs + 1] = "
                      f"[{block_tables.shape[0] + 1}], got "
@@ -379,7 +408,7 @@ def ragged_paged_attention(
       backend, interpret,
       tpu=functools.partial(_ragged_tpu, **knobs) if tpu_ok else None,
       gpu=functools.partial(_ragged_gpu, **knobs) if gpu_ok else None,
-      xla=functools.partial(reference.ragged_paged_attention_reference,
-                            scale=scale))
+      xla=with_scale_args(reference.ragged_paged_attention_reference, 7,
+                    scale=scale))
   return impl(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
-              num_seqs)
+              num_seqs, *scales)

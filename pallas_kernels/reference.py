@@ -11,19 +11,22 @@ Attention does work in proportion to each sequence's real context, not to the pa
   token (decode) is a chunk of width 1; a sequence with more is cut into chunks of
   ``num_queries_per_block`` tokens (prefill). The split is computed in the graph from
   ``query_start_loc`` and ``seq_lens``, so it needs no metadata beyond the kernels'.
-* Chunks are sorted longest context first and processed a batch at a time. Decode rows are one
-  batch, except the longest, which runs alone (a long row never makes the short ones loop long,
-  and a lone row computes no padding rows); prefill chunks go in batches of ``PREFILL_BATCH``
-  (a dynamic loop over the real ones). For a batch, a loop walks its block tables
-  ``pages_per_compute_block`` blocks at a time with an online (flash) softmax; its trip count is
-  ``ceil(longest context in the batch / (pages * block_size))``, computed at run time. Both loop
-  counts are dynamic (``lax.while_loop``), so padding rows, an empty prefill part and unused
-  block-table columns cost nothing, and none adds a shape to compile.
+* Chunks are sorted longest context first and processed a batch at a time: decode rows in batches
+  of ``DECODE_ROWS``, prefill chunks in batches of ``PREFILL_BATCH``, in a dynamic loop over the
+  real ones (with a single batch, the longest chunk runs alone, so it never makes the short ones
+  loop long). For a batch, a loop walks its block tables ``pages_per_compute_block`` blocks at a
+  time with an online (flash) softmax; its trip count is ``ceil(longest context in the batch /
+  (pages * block_size))``, computed at run time. Both loop counts are dynamic
+  (``lax.while_loop``), so padding rows, an empty prefill part and unused block-table columns cost
+  nothing, and none adds a shape to compile; sorted batches make each row's work track its own
+  context, not the step's longest.
 * Cache updates are XLA scatters; padding entries (negative ids) are dropped by pointing them out of
   bounds with ``mode="drop"``.
 
 Layout (shared with the kernels):
   k_pages, v_pages: ``[num_kv_heads, num_blocks, block_size, head_dim]``.
+  k_scales, v_scales (8-bit pages only, see ``quant.py``): ``[num_kv_heads,
+  num_blocks, block_size]``; attention dequantizes the gathered pages.
   slot = ``block_id * block_size + offset``.
   block_tables: int32 ``[num_seqs, max_blocks_per_seq]``.
   Query head ``h`` reads kv head ``h // (num_q_heads // num_kv_heads)``.
@@ -37,16 +40,19 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from pallas_kernels import quant
 from pallas_kernels._common import DEFAULT_MASK_VALUE, cdiv
 
 # CPU defaults, measured with scripts/benchmark_kernels.py (README "Kernels").
 PAGES_PER_STEP = 4       # blocks per online-softmax step
 PREFILL_CHUNK = 16       # query tokens per prefill chunk
 PREFILL_BATCH = 8        # prefill chunks per batch
+DECODE_ROWS = 8          # decode rows per batch
 
 
 def _attend_chunks(out, q, k_pages, v_pages, tables, first_token, first_pos,
-                   length, num_chunks, *, width, rows, pages, scale):
+                   length, num_chunks, *, width, rows, pages, scale,
+                   k_scales=None, v_scales=None):
   """Writes the attention of ``num_chunks`` query chunks into ``out``.
 
   Args:
@@ -61,6 +67,7 @@ def _attend_chunks(out, q, k_pages, v_pages, tables, first_token, first_pos,
     num_chunks: int32 scalar; chunks at/after it are not computed.
     width: static chunk width (>= every length).
     rows: most chunks per batch; pages: blocks per online-softmax step.
+    k_scales, v_scales: None, or the scales of 8-bit pages.
 
   Returns:
     ``out`` with the chunks' rows set (float32).
@@ -97,6 +104,9 @@ def _attend_chunks(out, q, k_pages, v_pages, tables, first_token, first_pos,
       ids = lax.dynamic_slice_in_dim(table, j * pages, pages, axis=1)  # [R, P]
       k = k_pages[:, ids].reshape(hkv, size, bk, d).astype(jnp.float32)
       v = v_pages[:, ids].reshape(hkv, size, bk, d).astype(jnp.float32)
+      if k_scales is not None:  # 8-bit pages: one scale per (head, token)
+        k = k * k_scales[:, ids].reshape(hkv, size, bk, 1).astype(jnp.float32)
+        v = v * v_scales[:, ids].reshape(hkv, size, bk, 1).astype(jnp.float32)
       k_pos = j * bk + jnp.arange(bk, dtype=jnp.int32)
       v = jnp.where((k_pos[None, :] < kv_len[:, None])[None, :, :, None], v, 0.0)
       s = jnp.einsum("hrqd,hrkd->hrqk", qb, k) * scale            # [H,R,G*W,K]
@@ -132,7 +142,8 @@ def _attend_chunks(out, q, k_pages, v_pages, tables, first_token, first_pos,
 def ragged_attention(q, k_pages, v_pages, block_tables, seq_lens,
                      query_start_loc, num_seqs, *, scale,
                      prefill_chunk=PREFILL_CHUNK, pages=PAGES_PER_STEP,
-                     prefill_batch=PREFILL_BATCH):
+                     prefill_batch=PREFILL_BATCH, k_scales=None,
+                     v_scales=None):
   """The work split of the module docstring; arguments as in
   `ragged_paged_attention_reference`."""
   num_tokens = q.shape[0]
@@ -151,7 +162,8 @@ def ragged_attention(q, k_pages, v_pages, block_tables, seq_lens,
   out = _attend_chunks(
       out, q, k_pages, v_pages, tables[order], qsl[order], seq_lens[order] - 1,
       is_decode[order].astype(jnp.int32), jnp.sum(is_decode), width=1,
-      rows=max_seqs, pages=pages, scale=scale)
+      rows=DECODE_ROWS, pages=pages, scale=scale, k_scales=k_scales,
+      v_scales=v_scales)
 
   # Prefill: chunks of `prefill_chunk` tokens, longest context first.
   # Sequence s has ceil(q_len / W) of them; the static count bounds every
@@ -169,7 +181,7 @@ def ragged_attention(q, k_pages, v_pages, block_tables, seq_lens,
   return _attend_chunks(
       out, q, k_pages, v_pages, tables[seq][order], (qsl[seq] + offset)[order],
       first_pos[order], length[order], ends[-1], width=w, rows=prefill_batch,
-      pages=pages, scale=scale)
+      pages=pages, scale=scale, k_scales=k_scales, v_scales=v_scales)
 
 
 def paged_attention_reference(
@@ -181,6 +193,8 @@ def paged_attention_reference(
     *,
     scale: float,
     pages_per_compute_block: int | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
     backend: str | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -195,6 +209,8 @@ def paged_attention_reference(
     scale: softmax scale applied to ``q @ k``.
     pages_per_compute_block: blocks per online-softmax step (default
       ``PAGES_PER_STEP``).
+    k_scales, v_scales: ``[num_kv_heads, num_blocks, block_size]`` with
+      8-bit pages (``quant.py``), else None.
     backend, interpret: ignored (kernel knobs).
 
   Returns:
@@ -205,7 +221,8 @@ def paged_attention_reference(
   qsl = jnp.arange(num_seqs + 1, dtype=jnp.int32)
   return ragged_paged_attention_reference(
       q, k_pages, v_pages, block_tables, seq_lens, qsl, num_seqs, scale=scale,
-      pages_per_compute_block=pages_per_compute_block)
+      pages_per_compute_block=pages_per_compute_block, k_scales=k_scales,
+      v_scales=v_scales)
 
 
 def ragged_paged_attention_reference(
@@ -220,6 +237,8 @@ def ragged_paged_attention_reference(
     scale: float,
     num_queries_per_block: int | None = None,
     pages_per_compute_block: int | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
     backend: str | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -239,6 +258,8 @@ def ragged_paged_attention_reference(
       ``PREFILL_CHUNK``).
     pages_per_compute_block: blocks per online-softmax step (default
       ``PAGES_PER_STEP``).
+    k_scales, v_scales: ``[num_kv_heads, num_blocks, block_size]`` with
+      8-bit pages (``quant.py``), else None.
     backend, interpret: ignored (kernel knobs).
 
   Returns:
@@ -247,11 +268,29 @@ def ragged_paged_attention_reference(
     causally; padding rows are zeros.
   """
   del backend, interpret
+  quant.pools_of(k_pages, v_pages, k_scales, v_scales)
   out = ragged_attention(
       q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, num_seqs,
       scale=scale, prefill_chunk=num_queries_per_block or PREFILL_CHUNK,
-      pages=pages_per_compute_block or PAGES_PER_STEP)
+      pages=pages_per_compute_block or PAGES_PER_STEP, k_scales=k_scales,
+      v_scales=v_scales)
   return out.astype(q.dtype)
+
+
+def write_slots(pools, rows, slot_mapping):
+  """Writes ``rows[i] [num_tokens, num_kv_heads, ...]`` into the slots of
+  ``pools[i] [num_kv_heads, num_blocks, block_size, ...]``; negative slots are
+  skipped."""
+  kvh, num_blocks, bs = pools[0].shape[:3]
+  num_slots = num_blocks * bs
+  slots = jnp.where(slot_mapping >= 0, slot_mapping, num_slots)  # OOB: dropped
+
+  def write(pages, new):
+    flat = pages.reshape(kvh, num_slots, *pages.shape[3:])
+    new = jnp.swapaxes(new, 0, 1).astype(pages.dtype)
+    return flat.at[:, slots].set(new, mode="drop").reshape(pages.shape)
+
+  return tuple(map(write, pools, rows))
 
 
 def write_kv_reference(
@@ -261,9 +300,11 @@ def write_kv_reference(
     v_new: jax.Array,
     slot_mapping: jax.Array,
     *,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
     backend: str | None = None,
     interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, ...]:
   """Writes new K/V rows into their slots; negative slots are skipped.
 
   Args:
@@ -271,22 +312,30 @@ def write_kv_reference(
     k_new, v_new: ``[num_tokens, num_kv_heads, head_dim]``.
     slot_mapping: int32 ``[num_tokens]``, ``block_id * block_size + offset``
       or negative for padding.
+    k_scales, v_scales: with 8-bit pages, their ``[num_kv_heads, num_blocks,
+      block_size]`` scales: the rows are quantized per (token, head) first
+      (``quant.quantize``).
     backend, interpret: ignored (kernel knobs).
 
   Returns:
-    The updated ``(k_pages, v_pages)``.
+    The updated ``(k_pages, v_pages)``, or ``(k_pages, v_pages, k_scales,
+    v_scales)`` with scales.
   """
   del backend, interpret
-  kvh, num_blocks, bs, d = k_pages.shape
-  num_slots = num_blocks * bs
-  slots = jnp.where(slot_mapping >= 0, slot_mapping, num_slots)  # OOB: dropped
+  pools, rows = quant.pools_and_rows(k_pages, v_pages, k_new, v_new, k_scales,
+                                     v_scales)
+  return write_slots(pools, rows, slot_mapping)
 
-  def write(pages, new):
-    flat = pages.reshape(kvh, num_slots, d)
-    new = jnp.swapaxes(new, 0, 1).astype(pages.dtype)
-    return flat.at[:, slots].set(new, mode="drop").reshape(pages.shape)
 
-  return write(k_pages, k_new), write(v_pages, v_new)
+def copy_pool_blocks(pools, src, dst):
+  """Copies block ``src[i]`` to ``dst[i]`` in every array of ``pools`` (each
+  ``[num_kv_heads, num_blocks, ...]``); pairs with a negative id are skipped."""
+  num_blocks = pools[0].shape[1]
+  ok = (src >= 0) & (dst >= 0)
+  src = jnp.where(ok, src, 0)
+  dst = jnp.where(ok, dst, num_blocks)  # out of bounds: dropped
+  return tuple(pages.at[:, dst].set(pages[:, src], mode="drop")
+               for pages in pools)
 
 
 def copy_blocks_reference(
@@ -295,10 +344,13 @@ def copy_blocks_reference(
     src: jax.Array,
     dst: jax.Array,
     *,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
     backend: str | None = None,
     interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:
-  """Copies block ``src[i]`` to ``dst[i]`` in every head of K and V.
+) -> tuple[jax.Array, ...]:
+  """Copies block ``src[i]`` to ``dst[i]`` in every head of K and V (and of
+  their scales, when given).
 
   Pairs with a negative id are padding and skipped. Destinations must be
   distinct and must not be sources of other pairs.
@@ -306,18 +358,13 @@ def copy_blocks_reference(
   Args:
     k_pages, v_pages: ``[num_kv_heads, num_blocks, block_size, head_dim]``.
     src, dst: int32 ``[num_copies]``.
+    k_scales, v_scales: ``[num_kv_heads, num_blocks, block_size]`` with 8-bit
+      pages, else None.
     backend, interpret: ignored (kernel knobs).
 
   Returns:
-    The updated ``(k_pages, v_pages)``.
+    The updated ``(k_pages, v_pages)`` (and scales, when given).
   """
   del backend, interpret
-  num_blocks = k_pages.shape[1]
-  ok = (src >= 0) & (dst >= 0)
-  src = jnp.where(ok, src, 0)
-  dst = jnp.where(ok, dst, num_blocks)  # out of bounds: dropped
-
-  def copy(pages):
-    return pages.at[:, dst].set(pages[:, src], mode="drop")
-
-  return copy(k_pages), copy(v_pages)
+  return copy_pool_blocks(quant.pools_of(k_pages, v_pages, k_scales, v_scales),
+                          src, dst)

@@ -3,6 +3,7 @@
   python scripts/benchmark_throughput.py --allocator paged,oracle,max --num_kv_blocks 256
   python scripts/benchmark_throughput.py --workload alpaca-like --num_requests 200 --allocator pow2
   python scripts/benchmark_throughput.py --model path/to/hf_dir --num_kv_blocks 512 --length_scale 0.5
+  python scripts/benchmark_throughput.py --kv_cache_dtype auto,int8 --kv_cache_memory_bytes 8388608
 
 Every allocator runs the real engine (same model, kernels and scheduler; only the KV cache
 manager differs) on the same requests from ``scripts/workloads.py``, all queued at once,
@@ -15,17 +16,22 @@ engine step; also over the steps during which some request was still waiting, i.
 budget, not the queue, limits the batch), preemptions, engine steps and compilations; then paged's ratios over each baseline. Time spent
 compiling new shapes (JAX's compile events) is subtracted, so the first allocator of a run is not
 penalized for compiling what the others then reuse.
+``--kv_cache_dtype auto,int8`` runs each KV cache dtype in turn; give the pool as a byte budget
+(``--kv_cache_memory_bytes``) so that 8-bit pages get the extra blocks the same memory holds.
 ``--length_scale`` shrinks every prompt and output length (the shape of the distribution is kept),
 so that a CPU finishes in minutes; set ``--max_model_len`` to match (it is what ``max`` reserves).
 """
+import contextlib
 import time
 
+import jax
 import numpy as np
 from absl import app, flags
 
 from bench_common import CACHE_DIR, COMPILE_SECONDS, bench_model_dir
 from workloads import make_workload
 from jpaged import LLM, BeamSearchParams, SamplingParams
+from jpaged.step_timing import StepTimings
 
 ALLOCATORS = ("paged", "max", "pow2", "oracle")
 
@@ -38,6 +44,8 @@ flags.DEFINE_float("length_scale", 1.0, "Multiplies every prompt and output leng
 flags.DEFINE_integer("seed", 0, "Workload seed")
 flags.DEFINE_list("allocator", ["paged"], "paged | max | pow2 | oracle; a comma list runs each in turn")
 flags.DEFINE_integer("num_kv_blocks", None, "KV pool size in blocks, the same for every allocator")
+flags.DEFINE_integer("kv_cache_memory_bytes", None, "KV pool size in bytes (blocks follow the KV dtype)")
+flags.DEFINE_list("kv_cache_dtype", ["auto"], "auto | int8 | fp8; a comma list runs each in turn")
 flags.DEFINE_integer("block_size", 16, "Tokens per KV block")
 flags.DEFINE_integer("max_model_len", 2048, "Longest prompt + output (what `max` reserves)")
 flags.DEFINE_integer("max_num_seqs", 256, "Sequences per step")
@@ -52,20 +60,28 @@ flags.DEFINE_enum("sharing", "on", ["on", "off", "both"], "Block sharing for --n
 # Parallelism
 flags.DEFINE_integer("tensor_parallel_size", 1, "Devices per replica (attention heads split)")
 flags.DEFINE_integer("data_parallel_size", 1, "Engine replicas")
+# Where the time goes
+flags.DEFINE_bool("precompile", True, "Compile every step shape before the timed run (start-up time is printed)")
+flags.DEFINE_bool("profile", False, "Print the per-step breakdown: schedule, prepare, device, post-process")
+flags.DEFINE_string("trace_dir", None, "Write a jax.profiler trace of the timed run here (TensorBoard / Perfetto)")
 # A peer in the same run
 flags.DEFINE_enum("peer", "none", ["none", "hf"], "Also run transformers' batched generate (workload fixed)")
 
 SHARED_PREFIX_TOKENS = {"none": 0, "1-shot": 80, "5-shot": 340}
 
 
-def engine_kwargs(allocator: str, sharing: bool = True) -> dict:
+def engine_kwargs(allocator: str, sharing: bool = True, kv_cache_dtype: str = "auto") -> dict:
     """LLM(...) settings for one run."""
-    kwargs = dict(allocator=allocator, block_size=F.block_size, max_model_len=F.max_model_len,
+    kwargs = dict(allocator=allocator, kv_cache_dtype=kv_cache_dtype, block_size=F.block_size,
+                  max_model_len=F.max_model_len,
                   max_num_seqs=F.max_num_seqs, max_num_batched_tokens=F.max_num_batched_tokens, dtype=F.dtype,
                   enable_prefix_caching=sharing and F.shared_prefix != "none", share_forked_blocks=sharing,
-                  tensor_parallel_size=F.tensor_parallel_size, data_parallel_size=F.data_parallel_size)
+                  tensor_parallel_size=F.tensor_parallel_size, data_parallel_size=F.data_parallel_size,
+                  precompile=F.precompile)
     if F.num_kv_blocks is not None:
         kwargs["num_kv_blocks"] = F.num_kv_blocks
+    if F.kv_cache_memory_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = F.kv_cache_memory_bytes
     return kwargs
 
 
@@ -91,20 +107,17 @@ def make_requests(prompts, output_lens, vocab_size: int, sharing: bool = True) -
 def run(llm: LLM, requests) -> dict:
     """Queues every request, steps the engine until all finish; throughput and batch statistics."""
     engine = llm.llm_engine
+    replicas = getattr(engine, "replicas", [engine])
+    for replica in replicas:
+        replica.step_timings = StepTimings()
+    compilations_before = llm.get_metrics()["num_compilations"]
     for i, (prompt, params) in enumerate(requests):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
-    steps = batched = loaded_steps = loaded_batched = 0
-    finished = []
     compile_start = COMPILE_SECONDS[0]
     start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        steps += 1
-        batched += len(outputs)  # requests that advanced this step
-        if any(e.scheduler.waiting for e in getattr(engine, "replicas", [engine])):  # memory pressure
-            loaded_steps += 1
-            loaded_batched += len(outputs)
-        finished += [o for o in outputs if o.finished]
+    tracing = jax.profiler.trace(F.trace_dir) if F.trace_dir else contextlib.nullcontext()
+    with tracing:
+        steps, batched, loaded_steps, loaded_batched, finished = _drive(engine)
     compiling = COMPILE_SECONDS[0] - compile_start
     elapsed = time.perf_counter() - start - compiling  # new shapes compile once; not throughput
     out_tokens = sum(len(c.token_ids) for o in finished for c in o.outputs)
@@ -114,9 +127,26 @@ def run(llm: LLM, requests) -> dict:
             "output tokens/s": out_tokens / elapsed, "mean batch": batched / max(steps, 1),
             "loaded batch": loaded_batched / max(loaded_steps, 1),
             "preemptions": metrics["num_preemptions"], "steps": steps, "seconds": elapsed,
-            "compile seconds": compiling,
+            "compile seconds": compiling, "new compilations": metrics["num_compilations"] - compilations_before,
             "compilations": metrics["num_compilations"], "blocks": metrics["num_total_blocks"],
-            "peak blocks": round(metrics["peak_kv_cache_usage"] * metrics["num_total_blocks"])}
+            "peak blocks": round(metrics["peak_kv_cache_usage"] * metrics["num_total_blocks"]),
+            "timings": [r.step_timings for r in replicas]}
+
+
+def _drive(engine):
+    """Steps the engine until every request has finished; (steps, batched, loaded steps, loaded
+    batched, finished outputs)."""
+    steps = batched = loaded_steps = loaded_batched = 0
+    finished = []
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        steps += 1
+        batched += len(outputs)  # requests that advanced this step
+        if any(e.scheduler.waiting for e in getattr(engine, "replicas", [engine])):  # memory pressure
+            loaded_steps += 1
+            loaded_batched += len(outputs)
+        finished += [o for o in outputs if o.finished]
+    return steps, batched, loaded_steps, loaded_batched, finished
 
 
 def run_hf(model_dir: str, prompts, output_lens) -> float:
@@ -144,7 +174,11 @@ def report(name: str, r: dict, num_requests: int) -> None:
           f"preemptions {r['preemptions']}  steps {r['steps']}  {r['seconds']:.1f} s "
           f"(+{r['compile seconds']:.1f} s compiling, not counted)  "
           f"[{F.workload}, {num_requests} requests, {r['blocks']} blocks x {F.block_size}, "
-          f"{r['compilations']} compilations]", flush=True)
+          f"{r['compilations']} compilations, {r['new compilations']} during the run]", flush=True)
+    if F.profile:
+        for i, timings in enumerate(r["timings"]):
+            print(f"{'':12s} step breakdown{f' (replica {i})' if len(r['timings']) > 1 else ''}: "
+                  f"{timings.summary()}", flush=True)
 
 
 def main(argv):
@@ -159,15 +193,30 @@ def main(argv):
     sharing_modes = {"on": [True], "off": [False], "both": [True, False]}[F.sharing]
     for allocator in F.allocator:
         for sharing in sharing_modes:
-            llm = LLM(model, **engine_kwargs(allocator, sharing))
-            vocab = llm.llm_engine.model_config.vocab_size
-            prompts, output_lens = make_workload(F.workload, vocab, F.num_requests, F.seed,
-                                                 F.length_scale)
-            name = allocator if len(sharing_modes) == 1 else f"{allocator}/{'shared' if sharing else 'unshared'}"
-            results[name] = run(llm, make_requests(prompts, output_lens, vocab, sharing))
-            report(name, results[name], len(prompts))
-            del llm
-    if len(sharing_modes) == 2:
+            for kv in F.kv_cache_dtype:
+                start = time.perf_counter()
+                llm = LLM(model, **engine_kwargs(allocator, sharing, kv))
+                print(f"{allocator}: start-up {time.perf_counter() - start:.1f} s "
+                      f"({llm.get_metrics()['num_compilations']} step shapes compiled or loaded)", flush=True)
+                vocab = llm.llm_engine.model_config.vocab_size
+                prompts, output_lens = make_workload(F.workload, vocab, F.num_requests, F.seed,
+                                                     F.length_scale)
+                name = allocator if len(sharing_modes) == 1 else f"{allocator}/{'shared' if sharing else 'unshared'}"
+                name = name if len(F.kv_cache_dtype) == 1 else f"{name}/kv={kv}"
+                results[name] = run(llm, make_requests(prompts, output_lens, vocab, sharing))
+                report(name, results[name], len(prompts))
+                del llm
+    if len(F.kv_cache_dtype) > 1:
+        base = F.kv_cache_dtype[0]
+        for name, r in results.items():
+            prefix, kv = name.rsplit("/kv=", 1)
+            if kv != base:
+                b = results[f"{prefix}/kv={base}"]
+                print(f"kv {kv} / {base} ({prefix}): blocks {r['blocks'] / b['blocks']:.2f}x  "
+                      f"output throughput {r['output tokens/s'] / b['output tokens/s']:.2f}x  "
+                      f"mean batch {r['mean batch'] / b['mean batch']:.2f}x "
+                      f"({r['loaded batch']:.2f} vs {b['loaded batch']:.2f} while requests wait)")
+    if len(sharing_modes) == 2 and len(F.kv_cache_dtype) == 1:
         for allocator in F.allocator:
             on, off = results[f"{allocator}/shared"], results[f"{allocator}/unshared"]
             print(f"sharing on / off ({allocator}): output throughput {on['output tokens/s'] / off['output tokens/s']:.2f}x, "
@@ -178,7 +227,7 @@ def main(argv):
         first = next(iter(results.values()))
         print(f"transformers generate: {hf:.1f} output tokens/s; jpaged / transformers: "
               f"{first['output tokens/s'] / hf:.2f}x (same machine, same run)")
-    if "paged" in results and len(sharing_modes) == 1:
+    if "paged" in results and len(sharing_modes) == 1 and len(F.kv_cache_dtype) == 1:
         p = results["paged"]
         for name, r in results.items():
             if name != "paged":

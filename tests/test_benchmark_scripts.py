@@ -28,6 +28,15 @@ def test_throughput_allocators_and_sharing(llama_dir):
     assert "sharing on / off (paged)" in out
 
 
+def test_kv_quant_report(llama_dir):
+    """The byte table, then auto vs int8 KV at one byte budget: int8 gets ~3.5x the blocks (head_dim 16)."""
+    result = run_script("kv_quant_report.py", f"--model={llama_dir[0]}", "--num_requests=4", "--length_scale=0.05",
+                        "--kv_cache_memory_bytes=262144")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "bench-llama   int8             1584" in result.stdout
+    assert result.stdout.count("Throughput:") == 2 and "kv int8 / auto (paged): blocks 3.5" in result.stdout
+
+
 def test_serving_benchmark_runs(llama_dir, tmp_path):
     result = run_script("benchmark_serving.py", f"--model={llama_dir[0]}", "--workload=sharegpt-like",
                         "--num_requests=4", "--length_scale=0.05", "--max_model_len=256", "--num_kv_blocks=64",

@@ -218,6 +218,30 @@ def test_tiny_gguf_round_trip(tmp_path, arch, qtype, tied, bias):
     assert tokenizer.decode(chat_ids) == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_tokenizer_is_built_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    from jpaged.loading import gguf_loader
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(gguf_loader, "CACHED_TOKENIZER_MIN_VOCAB", 0)
+    weights = random_hf_weights(np.random.default_rng(0), "llama", True, False)
+    write_tiny_gguf(tmp_path / "tiny.gguf", "llama", weights, Q.F32)
+    first = load_gguf(str(tmp_path / "tiny.gguf"))[2]
+    cached = list((tmp_path / "home" / ".cache" / "jpaged" / "tokenizers").glob("*.json"))
+    assert len(cached) == 1
+    import transformers.integrations.gguf.gguf_tokenizer_mapping as mapping
+
+    def no_rebuild(*args):
+        raise AssertionError("the tokenizer was built again")
+
+    monkeypatch.setattr(mapping, "convert_gguf_tokenizer", no_rebuild)
+    second = load_gguf(str(tmp_path / "tiny.gguf"))[2]
+    text = "hello world, héllo 世界! <|im_start|>"
+    assert second(text).input_ids == first(text).input_ids
+    assert (second.bos_token, second.eos_token, second.pad_token) == (first.bos_token, first.eos_token,
+                                                                        first.pad_token)
+    assert second.chat_template == first.chat_template
+
+
 def test_dtype_argument(tmp_path):
     weights = random_hf_weights(np.random.default_rng(1), "llama", True, False)
     write_tiny_gguf(tmp_path / "tiny.gguf", "llama", weights, Q.F32)

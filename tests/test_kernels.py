@@ -229,6 +229,22 @@ def test_reference_work_split_vs_numpy():
   check(out, expected, case.dtype)
 
 
+def test_reference_decode_batches_vs_numpy():
+  """More decode rows than one batch holds (`DECODE_ROWS`): sorted longest first, each batch
+  loops to its own longest context, padding rows (a bucket of 64) are skipped; a prefill too."""
+  from pallas_kernels import reference
+  lens = [3, 150, 17, 1, 64, 90, 33, 8, 121, 45, 2, 77, 16, 5, 60, 99, 31, 12, 140, 7]
+  assert len(lens) > 2 * reference.DECODE_ROWS
+  case = Case(seqs=[(1, n) for n in lens] + [(9, 30)], block_size=8, max_seqs=64, extra_tokens=5)
+  args, kw = case.build()
+  out = pk.ragged_paged_attention_reference(*args, **kw)
+  q, k, v, bt, sl, qsl, ns = args
+  expected = np_ragged(as_np(q), as_np(k), as_np(v), np.asarray(bt),
+                       np.asarray(sl), np.asarray(qsl), int(ns[0]),
+                       kw["scale"])
+  check(out, expected, case.dtype)
+
+
 def _cache_inputs(seed=0, dtype=jnp.float32, kvh=2, num_blocks=6, bs=8,
                   d=64, num_tokens=9):
   rng = np.random.default_rng(seed)

@@ -555,6 +555,7 @@ def test_sigterm_finishes_in_flight_and_exits(llama_dir):
     sock.close()
     proc = subprocess.Popen([sys.executable, os.path.join(REPO, "scripts", "serve.py"), f"--model={llama_dir[0]}",
                              f"--port={port}", "--num_kv_blocks=64", "--max_model_len=256",
+                             "--max_num_batched_tokens=128", "--max_num_seqs=8",  # precompiled at start
                              "--log_level=warning", "--shutdown_timeout=20"],
                             cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

@@ -6,9 +6,9 @@ default: the preset's or the engine's default applies); ``llm_args()`` turns the
 """
 from absl import flags
 
-ENGINE_FLAGS = ["dtype", "block_size", "num_kv_blocks", "kv_cache_memory_bytes", "max_num_seqs",
+ENGINE_FLAGS = ["dtype", "kv_cache_dtype", "block_size", "num_kv_blocks", "kv_cache_memory_bytes", "max_num_seqs",
                 "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "preemption_mode",
-                "tensor_parallel_size", "attention_backend", "quantization"]
+                "tensor_parallel_size", "attention_backend", "precompile", "quantization"]
 
 
 def define_engine_flags(flag_values=flags.FLAGS) -> None:
@@ -17,6 +17,9 @@ def define_engine_flags(flag_values=flags.FLAGS) -> None:
                         **f)
     flags.DEFINE_string("config", None, "Preset from configs/ (model + engine settings); flags override it", **f)
     flags.DEFINE_enum("dtype", None, ["auto", "float32", "bfloat16", "float16"], "Weights and KV cache dtype", **f)
+    flags.DEFINE_enum("kv_cache_dtype", None, ["auto", "int8", "fp8"],
+                      "KV cache storage: auto (the model dtype), or int8 / fp8 (e4m3) pages with a bfloat16 scale "
+                      "per token and KV head", **f)
     flags.DEFINE_integer("block_size", None, "Tokens per KV block", **f)
     flags.DEFINE_integer("num_kv_blocks", None, "KV pool size in blocks", **f)
     flags.DEFINE_integer("kv_cache_memory_bytes", None, "KV pool size in bytes", **f)
@@ -27,6 +30,8 @@ def define_engine_flags(flag_values=flags.FLAGS) -> None:
     flags.DEFINE_enum("preemption_mode", None, ["recompute", "swap"], "How to preempt when the pool is full", **f)
     flags.DEFINE_integer("tensor_parallel_size", None, "Devices to shard attention heads over", **f)
     flags.DEFINE_enum("attention_backend", None, ["auto", "pallas", "xla"], "Attention implementation", **f)
+    flags.DEFINE_bool("precompile", None, "Compile every step shape at start, so that none compiles while "
+                      "serving (the server's default)", **f)
     flags.DEFINE_enum("quantization", None, ["int8", "gguf"],
                       "Weight-only quantization: int8 per output channel (any checkpoint), or gguf "
                       "(a .gguf file's Q8_0/Q4_0/Q4_1 blocks kept as stored); unset: weights as loaded", **f)

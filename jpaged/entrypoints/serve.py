@@ -41,6 +41,7 @@ def build_app():
     from jpaged.entrypoints.openai_server import create_app
 
     model, kwargs = llm_args()
+    kwargs.setdefault("precompile", True)  # no compilation inside a request's latency
     async_engine = AsyncLLMEngine.from_args(model, max_queued_requests=F.max_queued_requests, **kwargs)
     chat_template = F.chat_template
     if chat_template and os.path.isfile(chat_template):

@@ -381,12 +381,29 @@ _SPECIAL_TOKEN_IDS = {
 }
 
 
-def _build_tokenizer(metadata: dict[str, Any]):
+CACHED_TOKENIZER_MIN_VOCAB = 8192  # smaller vocabularies build in well under a second
+
+
+def _tokenizer_cache_file(path: str | None, vocab_size: int) -> str | None:
+    """Where the backend tokenizer built from the GGUF file at ``path`` is kept (keyed by the file's
+    path, size and modification time), or None (no path, or a vocabulary quick to build)."""
+    if path is None or vocab_size < CACHED_TOKENIZER_MIN_VOCAB:
+        return None
+    import hashlib
+
+    stat = os.stat(path)
+    key = hashlib.sha256(f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
+    return os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "tokenizers", f"{key}.json")
+
+
+def _build_tokenizer(metadata: dict[str, Any], path: str | None = None):
     """A ``PreTrainedTokenizerFast`` from the ``tokenizer.*`` metadata, or None if there is none.
 
     The vocabulary -> ``tokenizers`` backend step reuses transformers' torch-free GGUF builders
     (byte-level BPE for ``gpt2``, sentencepiece-BPE for ``llama``, ...), the same code
     ``AutoTokenizer.from_pretrained(..., gguf_file=...)`` runs; only the file reading differs.
+    That step takes seconds for a large vocabulary, so with the file's ``path`` its result is kept
+    in ``~/.cache/jpaged/tokenizers`` and read back by later starts.
     """
     if "tokenizer.ggml.tokens" not in metadata:
         return None
@@ -406,7 +423,20 @@ def _build_tokenizer(metadata: dict[str, Any]):
         if metadata.get(key) is not None:
             init_kwargs[name] = tokens[metadata[key]]
 
-    backend, _ = convert_gguf_tokenizer(metadata["general.architecture"], tokenizer_dict)
+    cache_file = _tokenizer_cache_file(path, len(tokens))
+    if cache_file is not None and os.path.exists(cache_file):
+        from tokenizers import Tokenizer
+
+        backend = Tokenizer.from_file(cache_file)
+    else:
+        backend, _ = convert_gguf_tokenizer(metadata["general.architecture"], tokenizer_dict)
+        if cache_file is not None:
+            try:
+                os.makedirs(os.path.dirname(cache_file), exist_ok=True)
+                backend.save(cache_file + f".{os.getpid()}.tmp")
+                os.replace(cache_file + f".{os.getpid()}.tmp", cache_file)  # atomic: never half a file
+            except OSError:
+                pass  # a read-only home: build it every time
     return PreTrainedTokenizerFast(tokenizer_object=backend, **init_kwargs)
 
 
@@ -423,7 +453,7 @@ def iter_gguf(path: str, dtype=np.float32, keep_quantized: bool = False):
         config = read_config(metadata, {t[0] for t in tensors})
     except (KeyError, TypeError, ZeroDivisionError) as e:
         raise ValueError(f"{path}: incomplete GGUF metadata ({type(e).__name__}: {e})") from None
-    return config, _iter_weights(tensors, config, dtype, keep_quantized), _build_tokenizer(metadata)
+    return config, _iter_weights(tensors, config, dtype, keep_quantized), _build_tokenizer(metadata, path)
 
 
 def load_gguf(path: str, dtype=np.float32):

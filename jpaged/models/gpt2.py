@@ -76,10 +76,18 @@ class GPT2LMHeadModel(nnx.Module):
     def init_buffers(self):
         """No non-parameter state."""
 
+    DECODER_LAYERS = "h"
+
+    def embed_inputs(self, input_ids, positions):
+        return self.wte(input_ids) + self.wpe(positions), ()
+
+    def norm_output(self, x):
+        return self.ln_f(x)
+
     def __call__(self, input_ids, positions, kv_caches, md: AttentionMetadata):
-        x = self.wte(input_ids) + self.wpe(positions)
+        x, _ = self.embed_inputs(input_ids, positions)
         x, new_caches = run_layers(self.h, x, kv_caches, md)
-        return self.ln_f(x), new_caches
+        return self.norm_output(x), new_caches
 
     def compute_logits(self, hidden):
         return tied_or_head_logits(self.wte, self.lm_head, hidden)

@@ -68,13 +68,21 @@ class LlamaForCausalLM(nnx.Module):
         """Recomputes non-parameter state (after creation under `nnx.eval_shape`)."""
         self.inv_freq.set_value(jnp.asarray(rope_inv_freq(self.config)))
 
-    def __call__(self, input_ids, positions, kv_caches, md: AttentionMetadata):
-        x = self.embed_tokens(input_ids)
+    DECODER_LAYERS = "layers"
+
+    def embed_inputs(self, input_ids, positions):
+        """Token embeddings, and the rotary cos/sin every layer takes."""
         freqs = positions.astype(jnp.float32)[:, None] * self.inv_freq[...][None, :]
         emb = jnp.concatenate([freqs, freqs], axis=-1)
-        cos, sin = jnp.cos(emb), jnp.sin(emb)
-        x, new_caches = run_layers(self.layers, x, kv_caches, cos, sin, md)
-        return self.norm(x), new_caches
+        return self.embed_tokens(input_ids), (jnp.cos(emb), jnp.sin(emb))
+
+    def norm_output(self, x):
+        return self.norm(x)
+
+    def __call__(self, input_ids, positions, kv_caches, md: AttentionMetadata):
+        x, extra = self.embed_inputs(input_ids, positions)
+        x, new_caches = run_layers(self.layers, x, kv_caches, *extra, md)
+        return self.norm_output(x), new_caches
 
     def compute_logits(self, hidden):
         return tied_or_head_logits(self.embed_tokens, self.lm_head, hidden)

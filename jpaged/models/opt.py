@@ -87,15 +87,21 @@ class OPTForCausalLM(nnx.Module):
     def init_buffers(self):
         """No non-parameter state."""
 
-    def __call__(self, input_ids, positions, kv_caches, md: AttentionMetadata):
+    DECODER_LAYERS = "layers"
+
+    def embed_inputs(self, input_ids, positions):
         x = self.embed_tokens(input_ids)
         if self.project_in is not None:
             x = self.project_in(x)
-        x = x + self.embed_positions(positions + POSITION_OFFSET)
+        return x + self.embed_positions(positions + POSITION_OFFSET), ()
+
+    def norm_output(self, x):
+        return x if self.final_layer_norm is None else self.final_layer_norm(x)
+
+    def __call__(self, input_ids, positions, kv_caches, md: AttentionMetadata):
+        x, _ = self.embed_inputs(input_ids, positions)
         x, new_caches = run_layers(self.layers, x, kv_caches, md)
-        if self.final_layer_norm is not None:
-            x = self.final_layer_norm(x)
-        return x, new_caches
+        return self.norm_output(x), new_caches
 
     def compute_logits(self, hidden):
         if self.project_out is not None:

@@ -1,0 +1,74 @@
+"""How a step runs: piece by piece (embed, one jit per layer structure, head), its shapes fixed at
+start with `precompile`, its time accounted per part."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import random_prompts
+from jpaged import LLM, SamplingParams
+from jpaged import model_runner
+from jpaged.sampler import argmax
+
+ENGINE = dict(num_kv_blocks=96, max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8)
+
+
+def greedy(n):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def test_layer_by_layer_matches_the_whole_model_jit(llama_dir, monkeypatch):
+    rng = np.random.default_rng(0)
+    prompts = random_prompts(rng, [5, 40, 17, 3])
+    by_layer = LLM(llama_dir[0], **ENGINE)
+    assert by_layer.llm_engine.runner.pieces is not None
+    tokens = [o.outputs[0].token_ids for o in by_layer.generate(prompts, greedy(12), use_tqdm=False)]
+    monkeypatch.setattr(model_runner.LayerPieces, "of", classmethod(lambda cls, model: None))
+    whole = LLM(llama_dir[0], **ENGINE)
+    assert whole.llm_engine.runner.pieces is None
+    assert [o.outputs[0].token_ids for o in whole.generate(prompts, greedy(12), use_tqdm=False)] == tokens
+    assert by_layer.llm_engine.runner.num_compilations > 0
+
+
+def test_precompile_leaves_nothing_to_compile_while_serving(llama_dir):
+    llm = LLM(llama_dir[0], precompile=True, **ENGINE)
+    compiled = llm.get_metrics()["num_compilations"]
+    runner = llm.llm_engine.runner
+    assert runner.token_buckets(64) == [2, 4, 8, 16, 32, 64]
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(1, 120, 24)
+    params = [greedy(int(n)) if i % 2 else SamplingParams(temperature=0.8, seed=i, max_tokens=int(n),
+                                                           ignore_eos=True)
+              for i, n in enumerate(rng.integers(1, 30, 24))]
+    outs = llm.generate(random_prompts(rng, lengths), params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
+    assert llm.get_metrics()["num_compilations"] == compiled
+    m = llm.get_metrics()
+    assert m["num_free_blocks"] == m["num_total_blocks"]
+
+
+def test_a_steps_shapes_depend_on_its_token_count_alone(llama_dir):
+    runner = LLM(llama_dir[0], **ENGINE).llm_engine.runner
+    assert runner.buckets(1, 1, 1) == (2, 2, 16)        # max_model_len 256 / block 16 columns
+    assert runner.buckets(5, 3, 3) == runner.buckets(5, 1, 16) == (8, 8, 16)
+    assert runner.buckets(33, 2, 1) == (64, 8, 16)       # rows: at most the max_num_seqs bucket
+    assert runner.buckets(33, 12, 1) == (64, 16, 16)     # unless forks make more sequences
+
+
+def test_step_timings_account_for_every_step(llama_dir):
+    llm = LLM(llama_dir[0], **ENGINE)
+    timings = llm.llm_engine.step_timings
+    llm.generate(random_prompts(np.random.default_rng(2), [10, 20]), greedy(6), use_tqdm=False)
+    assert timings.steps >= 6 and timings.tokens >= 30 + 6
+    assert min(timings.schedule, timings.prepare, timings.device, timings.post) >= 0
+    assert timings.device > 0
+    assert "ms" in timings.summary()
+
+
+@pytest.mark.parametrize("shape", [(4, 7), (3, 1000), (1, 2)])
+def test_argmax_takes_the_first_of_equal_maxima(shape):
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 5, shape).astype(np.float32)  # many ties
+    np.testing.assert_array_equal(np.asarray(argmax(jnp.asarray(x))), x.argmax(-1))
+    x = rng.standard_normal(shape).astype(np.float32)
+    x[0, :] = -np.inf
+    np.testing.assert_array_equal(np.asarray(argmax(jnp.asarray(x))), x.argmax(-1))
