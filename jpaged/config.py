@@ -5,6 +5,18 @@ import jax.numpy as jnp
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}  # by EngineConfig.dtype name
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # CacheConfig.kv_cache_dtype; 8-bit: pallas_kernels/quant.py
+QUANTIZATIONS = ("int8", "gguf")  # EngineConfig.quantization values besides None
+
+
+def check_quantization(quantization, model) -> None:
+    """ValueError for a ``quantization`` that is unknown or does not fit the checkpoint ``model``
+    (a path; None is the embedded default, a GGUF file)."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization={quantization!r}: must be None, "
+                         f"{' or '.join(map(repr, QUANTIZATIONS))}")
+    if quantization == "gguf" and model is not None and not (isinstance(model, str) and model.endswith(".gguf")):
+        raise ValueError(f"quantization='gguf': keeps the blocks of a GGUF file, but model={model!r} is "
+                         "not a .gguf file (quantization='int8' quantizes any checkpoint)")
 
 
 def _fail(cls, name, value, why):
@@ -103,6 +115,8 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     compilation_cache_dir: str | None = None  # None: ~/.cache/jpaged/jax
+    quantization: str | None = None   # weights: None (as stored / dtype), "int8" (per output channel,
+                                      # made at load time), "gguf" (a GGUF file's Q8_0/Q4_0/Q4_1 kept)
     precompile: bool = False  # compile every step shape at start (servers): none compiles while serving
 
     def __post_init__(self):
@@ -111,6 +125,7 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "pallas", "xla"):
             _fail("EngineConfig", "attention_backend", self.attention_backend,
                   "must be 'auto', 'pallas' or 'xla'")
+        check_quantization(self.quantization, self.model)  # before any device work
         if not (isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1):
             _fail("EngineConfig", "data_parallel_size", self.data_parallel_size, "must be an integer >= 1")
         if not (isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1):

@@ -51,6 +51,9 @@ class LLMEngine:
         """Loads ``config.model`` (or serves ``model``, an NNX model already in memory) onto a mesh
         of ``tensor_parallel_size`` devices (the first ones, or ``devices``)."""
         self.config = config
+        if model is not None and config.quantization is not None:
+            raise ValueError(f"quantization={config.quantization!r}: applies to a model loaded by path; "
+                             "an in-memory model is served with its parameters as they are")
         self.mesh = sharding.make_mesh(config.tensor_parallel_size, devices)
         enable_compilation_cache(config.compilation_cache_dir)
         platform = jax.default_backend()
@@ -104,7 +107,8 @@ class LLMEngine:
                 from jpaged.loading.gguf_loader import default_model_path
                 path = default_model_path()
             model, _, tokenizer = load_model(path, dtype=self.dtype, mesh=self.mesh,
-                                             attention_backend=self.attention_backend)
+                                             attention_backend=self.attention_backend,
+                                             quantization=self.config.quantization)
             return model, tokenizer
         c, tp = model.config, self.config.tensor_parallel_size
         if sharding.kv_head_replication(c.num_heads, c.num_kv_heads, tp) != 1:

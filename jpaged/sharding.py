@@ -20,6 +20,14 @@ KV pool then costs ``N / num_kv_heads`` times the unsharded pool in total (each 
 
 A weight whose split dimension does not divide by N is replicated (correct, more memory). GPT-2's
 fused ``c_attn`` is replicated: a contiguous split would mix q, k and v.
+
+Quantized weights (`jpaged.models.quantized`) split the same way, their scales with them: an int8
+kernel keeps the ``[in, out]`` layout, its per-output-channel ``scale [out]`` is split like a
+column-parallel bias and replicated for a row-parallel layer (and for the token table, whose scale
+is per vocabulary row while the table splits on hidden). GGUF blocks ``qweight [in / 32, k, out]``
+with ``scales`` / ``mins`` ``[in / 32, out]`` split on ``out`` (column) or on whole blocks of
+``in`` (row; the token table on its hidden blocks). A scale of any other shape has no place in
+the layout: a ValueError.
 """
 import re
 
@@ -41,19 +49,30 @@ def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
     return Mesh(np.array(devices[:tensor_parallel_size]), (MODEL_AXIS,), axis_types=(AxisType.Auto,))
 
 
+# Leaf name -> (its spec in a column-parallel layer, in a row-parallel layer, in the token table).
+_LEAF_SPECS = {
+    "kernel": (P(None, MODEL_AXIS), P(MODEL_AXIS, None), None),
+    "bias": (P(MODEL_AXIS), P(), None),
+    "embedding": (None, None, P(None, MODEL_AXIS)),
+    "scale": (P(MODEL_AXIS), P(), P()),                                   # int8, per output channel
+    "qweight": (P(None, None, MODEL_AXIS), P(MODEL_AXIS, None, None), P(MODEL_AXIS, None, None)),  # GGUF
+    "scales": (P(None, MODEL_AXIS), P(MODEL_AXIS, None), P(MODEL_AXIS, None)),
+    "mins": (P(None, MODEL_AXIS), P(MODEL_AXIS, None), P(MODEL_AXIS, None)),
+}
+_QUANT_LEAF_NDIM = {"scale": 1, "qweight": 3, "scales": 2, "mins": 2}
+
+
 def param_spec(path: tuple, shape: tuple, tp: int) -> P:
     """The PartitionSpec of the parameter at attribute ``path`` (e.g. ("layers", 0, "mlp", "up_proj", "kernel"))."""
     names = [p for p in path if isinstance(p, str)]
     layer, leaf = (names[-2] if len(names) > 1 else ""), names[-1]
+    role = 0 if layer in COLUMN else 1 if layer in ROW else 2 if layer == "embed_tokens" else None
+    if role is not None and leaf in _QUANT_LEAF_NDIM and len(shape) != _QUANT_LEAF_NDIM[leaf]:
+        raise ValueError(f"weight {'.'.join(map(str, path))}: a quantization {leaf!r} of shape {tuple(shape)} "
+                         f"cannot be split with its layer's output channels (expected {_QUANT_LEAF_NDIM[leaf]}-D)")
     spec = P()
-    if leaf == "kernel" and layer in COLUMN:
-        spec = P(None, MODEL_AXIS)
-    elif leaf == "bias" and layer in COLUMN:
-        spec = P(MODEL_AXIS)
-    elif leaf == "kernel" and layer in ROW:
-        spec = P(MODEL_AXIS, None)
-    elif leaf == "embedding" and layer == "embed_tokens":
-        spec = P(None, MODEL_AXIS)
+    if role is not None and leaf in _LEAF_SPECS:
+        spec = _LEAF_SPECS[leaf][role] or P()
     for dim, axis in enumerate(spec):
         if axis is not None and shape[dim] % tp:
             return P()

@@ -89,7 +89,9 @@ def gguf_name(hf):
 def write_tiny_gguf(path, arch, weights, qtype):
     """Write `weights` (HF naming) as llama.cpp's converter would; return what a loader should
     recover (the weights after the quantization round trip).  arch "mistral" is written as llama.cpp
-    does: architecture "llama", told apart only by general.name."""
+    does: architecture "llama", told apart only by general.name.  ``qtype`` is one type for every
+    matrix, or a function of the HF name giving each its own."""
+    qtype_of = qtype if callable(qtype) else (lambda name: qtype)
     permuted = arch in ("llama", "mistral")
     w = gguf.GGUFWriter(str(path), "llama" if arch == "mistral" else arch)
     w.add_name("Mistral tiny" if arch == "mistral" else "tiny test model")
@@ -122,6 +124,7 @@ def write_tiny_gguf(path, arch, weights, qtype):
 
     expected = {}
     for name, arr in weights.items():
+        qtype = qtype_of(name)
         if permuted and ".q_proj." in name:
             arr = gguf_row_order(arr, TINY["heads"])
         elif permuted and ".k_proj." in name:

@@ -8,7 +8,7 @@ from absl import flags
 
 ENGINE_FLAGS = ["dtype", "kv_cache_dtype", "block_size", "num_kv_blocks", "kv_cache_memory_bytes", "max_num_seqs",
                 "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "preemption_mode",
-                "tensor_parallel_size", "attention_backend", "precompile"]
+                "tensor_parallel_size", "attention_backend", "precompile", "quantization"]
 
 
 def define_engine_flags(flag_values=flags.FLAGS) -> None:
@@ -32,6 +32,9 @@ def define_engine_flags(flag_values=flags.FLAGS) -> None:
     flags.DEFINE_enum("attention_backend", None, ["auto", "pallas", "xla"], "Attention implementation", **f)
     flags.DEFINE_bool("precompile", None, "Compile every step shape at start, so that none compiles while "
                       "serving (the server's default)", **f)
+    flags.DEFINE_enum("quantization", None, ["int8", "gguf"],
+                      "Weight-only quantization: int8 per output channel (any checkpoint), or gguf "
+                      "(a .gguf file's Q8_0/Q4_0/Q4_1 blocks kept as stored); unset: weights as loaded", **f)
 
 
 def llm_args(flag_values=flags.FLAGS) -> tuple[str | None, dict]:

