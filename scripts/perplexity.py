@@ -1,6 +1,7 @@
-"""Perplexity, greedy agreement, weight memory and decode speed of each weight quantization setting.
+"""Perplexity, greedy agreement, memory and decode speed of each weight and KV-cache quantization setting.
 
   python scripts/perplexity.py                                    # SmolLM2-135M (embedded GGUF): none, int8, gguf
+  python scripts/perplexity.py --settings none,kv=int8,kv=fp8,int8+kv=int8
   python scripts/perplexity.py --settings none,int8 --num_windows 4
   python scripts/perplexity.py --model path/to/hf_dir --settings none,int8 --dtype bfloat16
 
@@ -35,7 +36,9 @@ from absl import app, flags
 
 F = flags.FLAGS
 flags.DEFINE_string("model", None, "HF directory, .gguf file or preset; default: embedded SmolLM2-135M-Instruct")
-flags.DEFINE_list("settings", ["none", "int8", "gguf"], "Quantization settings to measure (none = unquantized)")
+flags.DEFINE_list("settings", ["none", "int8", "gguf"],
+                  "Settings to measure: a weight quantization (none | int8 | gguf), optionally '+kv=' a KV cache "
+                  "dtype (auto | int8 | fp8), or 'kv=...' alone (none = unquantized)")
 flags.DEFINE_string("dtype", "float32", "Engine dtype (activations, KV cache, unquantized weights)")
 flags.DEFINE_integer("num_windows", 8, "Windows of text")
 flags.DEFINE_integer("window", 512, "Tokens per window")
@@ -60,6 +63,22 @@ def english_text() -> str:
     return "\n\n".join(paragraphs)
 
 
+WEIGHTS, KV_DTYPES = ("none", "int8", "gguf"), ("auto", "int8", "fp8")
+
+
+def parse_setting(setting: str) -> tuple[str | None, str]:
+    """``"int8+kv=fp8"`` -> (``quantization``, ``kv_cache_dtype``) = ("int8", "fp8")."""
+    quantization, kv = None, "auto"
+    for part in setting.split("+"):
+        if part.startswith("kv=") and part[3:] in KV_DTYPES:
+            kv = part[3:]
+        elif part in WEIGHTS:
+            quantization = None if part == "none" else part
+        else:
+            raise app.UsageError(f"--settings: {setting!r}: {part!r} is not one of {WEIGHTS} or kv={KV_DTYPES}")
+    return quantization, kv
+
+
 def measure(setting: str) -> dict:
     import resource
 
@@ -68,7 +87,8 @@ def measure(setting: str) -> dict:
     from jpaged import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(F.model, quantization=None if setting == "none" else setting, dtype=F.dtype,
+    quantization, kv_cache_dtype = parse_setting(setting)
+    llm = LLM(F.model, quantization=quantization, kv_cache_dtype=kv_cache_dtype, dtype=F.dtype,
               max_num_batched_tokens=F.window, max_num_seqs=4, max_model_len=max(F.window, 256) + F.decode_tokens,
               enable_prefix_caching=False)  # repeated timing runs see the same step shapes
     load_s = time.perf_counter() - start
@@ -122,9 +142,8 @@ def main(argv):
     if F.worker is not None:
         print("RESULT " + json.dumps(measure(F.worker)), flush=True)
         return
-    unknown = set(F.settings) - {"none", "int8", "gguf"}
-    if unknown:
-        raise app.UsageError(f"--settings: unknown {sorted(unknown)} (none, int8, gguf)")
+    for setting in F.settings:
+        parse_setting(setting)
     results = []
     for setting in F.settings:
         args = [sys.executable, os.path.abspath(__file__), f"--worker={setting}"] + [
