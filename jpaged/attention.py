@@ -120,7 +120,6 @@ BACKENDS = {"xla": (pallas_kernels.write_kv_reference, xla_paged_attention),
             "pallas": (pallas_write_kv, pallas_paged_attention)}
 
 
-
 class PagedAttention(nnx.Module):
     """Writes K/V for this step's tokens into the paged cache and attends through block tables.
 

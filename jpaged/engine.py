@@ -96,7 +96,7 @@ class LLMEngine:
         self.peak_kv_cache_usage = 0.0
         self.num_failed_steps = 0
         self._warm_up()
-        self.step_timings = StepTimings()  # of the steps since start (see get_metrics)
+        self.step_timings = StepTimings()  # of the steps since start
 
     # Set-up --------------------------------------------------------------------------------------
     def _load(self, model, tokenizer):

@@ -1,8 +1,9 @@
 """Host arrays -> padded static-shape batch -> jitted step -> sampled tokens.
 
-Every array is padded to a power-of-two bucket (tokens, sequences, blocks per sequence, query
-chunks), so the step compiles once per bucket combination and never again in steady state. The KV
-pool is donated to the step, so XLA updates it in place.
+Every array is padded to a bucket that follows from the step's token count (`ModelRunner.buckets`),
+so the step compiles once per token bucket (and sampled-row bucket) and never again in steady
+state. The step runs piece by piece (`LayerPieces`); each layer's KV pool is donated to its call, so
+XLA updates it in place.
 """
 import dataclasses
 import functools
@@ -359,7 +360,7 @@ class ModelRunner:
         filters)."""
         if self.pieces is None:  # the whole-model forward compiles with its steps
             return
-        row_buckets = [r for r in self.token_buckets(max_seqs)]
+        row_buckets = self.token_buckets(max_seqs)
         with jax.set_mesh(self.mesh):
             for t_pad in self.token_buckets(max_tokens):
                 x = np.zeros((t_pad, self.config.hidden_size), self.dtype)

@@ -230,6 +230,23 @@ def scale_row(scales, valid_len=None, start=0):
   return row
 
 
+def attend_block(carry, q, k, v, mask, scale, kv_scales=None, kv_len=None, start=0):
+  """One online-softmax update of ``q`` against a compute block's keys ``k``
+  and values ``v`` (`qk_logits`, then `online_softmax_step`).
+
+  ``kv_scales``: None, or with 8-bit pages the block's ``(k_scales,
+  v_scales)``, each ``[pages, block_size]``: K scales multiply the logits, V
+  scales the softmax weights (pages are never dequantized); V scale columns
+  at/after ``kv_len`` (``start`` is the block's first key position) are zero.
+  """
+  logits = qk_logits(q, k, scale)
+  v_scale = None
+  if kv_scales is not None:
+    logits = logits * scale_row(kv_scales[0])
+    v_scale = scale_row(kv_scales[1], kv_len, start)
+  return online_softmax_step(carry, logits, v, mask, v_scale)
+
+
 class PageCopies:
   """Async copies of one compute block's pages of one kv head (TPU).
 

@@ -61,9 +61,9 @@ import jax.numpy as jnp
 
 from pallas_kernels import reference
 from pallas_kernels._common import (
-    PageCopies, check_attention_shapes, dispatch, finalize_softmax, gpu_call,
-    gpu_supported, init_softmax_carry, next_power_of_2, online_softmax_step,
-    qk_logits, scale_row, with_scale_args, tpu_call)
+    PageCopies, attend_block, check_attention_shapes, dispatch,
+    finalize_softmax, gpu_call, gpu_supported, init_softmax_carry,
+    next_power_of_2, with_scale_args, tpu_call)
 from pallas_kernels import quant
 
 
@@ -123,12 +123,8 @@ def _tpu_kernel(
     v = jnp.where(cols < seq_len, v, 0.0)  # unfetched pages hold garbage
     mask = (step * bk + lax.broadcasted_iota(jnp.int32, (group, bk), 1)
             < seq_len)
-    logits = qk_logits(q, k, scale)
-    v_scale = None
-    if n == 4:  # 8-bit pages
-      logits = logits * scale_row(bufs[2][slot])
-      v_scale = scale_row(bufs[3][slot], seq_len, step * bk)
-    return online_softmax_step(carry, logits, v, mask, v_scale)
+    kv_scales = (bufs[2][slot], bufs[3][slot]) if n == 4 else None  # 8-bit pages
+    return attend_block(carry, q, k, v, mask, scale, kv_scales, seq_len, step * bk)
 
   carry = lax.fori_loop(0, num_steps, body, init_softmax_carry(group, head_dim))
   o_ref[...] = finalize_softmax(carry).astype(o_ref.dtype)
@@ -194,12 +190,8 @@ def _gpu_kernel(
     cols = step * bk + lax.broadcasted_iota(jnp.int32, (group, bk), 1)
     mask = cols < seq_len
     v = jnp.where((step * bk + jnp.arange(bk) < seq_len)[:, None], v, 0)
-    logits = qk_logits(q, k, scale)
-    v_scale = None
-    if scale_refs:
-      logits = logits * scale_row(scale_refs[0][block_ids])
-      v_scale = scale_row(scale_refs[1][block_ids], seq_len, step * bk)
-    return online_softmax_step(carry, logits, v, mask, v_scale)
+    kv_scales = tuple(r[block_ids] for r in scale_refs) or None
+    return attend_block(carry, q, k, v, mask, scale, kv_scales, seq_len, step * bk)
 
   carry = lax.fori_loop(0, pl.cdiv(seq_len, bk), body,
                         init_softmax_carry(group, head_dim))

@@ -50,9 +50,9 @@ import jax.numpy as jnp
 
 from pallas_kernels import reference
 from pallas_kernels._common import (
-    PageCopies, check_attention_shapes, dispatch, finalize_softmax, gpu_call,
-    gpu_supported, init_softmax_carry, next_power_of_2, online_softmax_step,
-    qk_logits, scale_row, with_scale_args, tpu_call)
+    PageCopies, attend_block, check_attention_shapes, dispatch,
+    finalize_softmax, gpu_call, gpu_supported, init_softmax_carry,
+    next_power_of_2, with_scale_args, tpu_call)
 from pallas_kernels import quant
 
 
@@ -171,12 +171,8 @@ def _tpu_kernel(
       cols = step * bk + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
       v = jnp.where(cols < kv_end, v, jnp.zeros_like(v))
       mask = _causal_mask(first_pos, tile_start, step * bk, group, (n, bk))
-      logits = qk_logits(q, k, scale)
-      v_scale = None
-      if m == 4:  # 8-bit pages
-        logits = logits * scale_row(bufs[2][slot])
-        v_scale = scale_row(bufs[3][slot], kv_end, step * bk)
-      return online_softmax_step(carry, logits, v, mask, v_scale)
+      kv_scales = (bufs[2][slot], bufs[3][slot]) if m == 4 else None  # 8-bit pages
+      return attend_block(carry, q, k, v, mask, scale, kv_scales, kv_end, step * bk)
 
     carry = lax.fori_loop(0, num_steps, kv_body,
                           init_softmax_carry(n, head_dim))
@@ -279,12 +275,8 @@ def _gpu_kernel(
         k, v = k.astype(q.dtype), v.astype(q.dtype)
       v = jnp.where((step * bk + jnp.arange(bk) < kv_end)[:, None], v, 0)
       mask = _causal_mask(first_pos, tile_start, step * bk, group, (n, bk))
-      logits = qk_logits(q, k, scale)
-      v_scale = None
-      if scale_refs:
-        logits = logits * scale_row(scale_refs[0][block_ids])
-        v_scale = scale_row(scale_refs[1][block_ids], kv_end, step * bk)
-      return online_softmax_step(carry, logits, v, mask, v_scale)
+      kv_scales = tuple(r[block_ids] for r in scale_refs) or None
+      return attend_block(carry, q, k, v, mask, scale, kv_scales, kv_end, step * bk)
 
     carry = lax.fori_loop(0, pl.cdiv(kv_end, bk), kv_body,
                           init_softmax_carry(n, head_dim))

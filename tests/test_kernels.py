@@ -198,6 +198,17 @@ def test_paged_reference_vs_numpy(case):
   check(out, expected, case.dtype)
 
 
+def check_ragged_reference(case, **knobs):
+  """The jnp ragged attention (with ``knobs``) against the numpy loops."""
+  args, kw = case.build()
+  out = pk.ragged_paged_attention_reference(*args, **knobs, **kw)
+  q, k, v, bt, sl, qsl, ns = args
+  expected = np_ragged(as_np(q), as_np(k), as_np(v), np.asarray(bt),
+                       np.asarray(sl), np.asarray(qsl), int(ns[0]),
+                       kw["scale"])
+  check(out, expected, case.dtype)
+
+
 @pytest.mark.parametrize("case", [
     Case(seqs=[(5, 5), (1, 20), (0, 7), (9, 33), (1, 1)], max_seqs=7,
          extra_tokens=3),
@@ -205,13 +216,7 @@ def test_paged_reference_vs_numpy(case):
          head_dim=128),
 ], ids=["mixed_padded", "mqa"])
 def test_ragged_reference_vs_numpy(case):
-  args, kw = case.build()
-  out = pk.ragged_paged_attention_reference(*args, **kw)
-  q, k, v, bt, sl, qsl, ns = args
-  expected = np_ragged(as_np(q), as_np(k), as_np(v), np.asarray(bt),
-                       np.asarray(sl), np.asarray(qsl), int(ns[0]),
-                       kw["scale"])
-  check(out, expected, case.dtype)
+  check_ragged_reference(case)
 
 
 def test_reference_work_split_vs_numpy():
@@ -219,14 +224,7 @@ def test_reference_work_split_vs_numpy():
   sorted longest first, one block per online-softmax step."""
   case = Case(seqs=[(1, 70), (23, 40), (1, 3), (7, 7), (1, 33), (2, 18)],
               block_size=8, max_seqs=8, extra_tokens=2)
-  args, kw = case.build()
-  out = pk.ragged_paged_attention_reference(
-      *args, num_queries_per_block=4, pages_per_compute_block=1, **kw)
-  q, k, v, bt, sl, qsl, ns = args
-  expected = np_ragged(as_np(q), as_np(k), as_np(v), np.asarray(bt),
-                       np.asarray(sl), np.asarray(qsl), int(ns[0]),
-                       kw["scale"])
-  check(out, expected, case.dtype)
+  check_ragged_reference(case, num_queries_per_block=4, pages_per_compute_block=1)
 
 
 def test_reference_decode_batches_vs_numpy():
@@ -236,13 +234,7 @@ def test_reference_decode_batches_vs_numpy():
   lens = [3, 150, 17, 1, 64, 90, 33, 8, 121, 45, 2, 77, 16, 5, 60, 99, 31, 12, 140, 7]
   assert len(lens) > 2 * reference.DECODE_ROWS
   case = Case(seqs=[(1, n) for n in lens] + [(9, 30)], block_size=8, max_seqs=64, extra_tokens=5)
-  args, kw = case.build()
-  out = pk.ragged_paged_attention_reference(*args, **kw)
-  q, k, v, bt, sl, qsl, ns = args
-  expected = np_ragged(as_np(q), as_np(k), as_np(v), np.asarray(bt),
-                       np.asarray(sl), np.asarray(qsl), int(ns[0]),
-                       kw["scale"])
-  check(out, expected, case.dtype)
+  check_ragged_reference(case)
 
 
 def _cache_inputs(seed=0, dtype=jnp.float32, kvh=2, num_blocks=6, bs=8,

@@ -110,17 +110,15 @@ def build_model(config: ModelConfig, weights, *, dtype, attention_backend: str, 
         keep = blocks and quantization == "gguf" and ((linear and transpose) or (table and not transpose))
         if blocks and not keep:
             array = array.dequantize()
+        if not keep:
+            array = np.asarray(array)
+            array = array.T if transpose else array
         if keep or ((linear or table) and quantization == "int8"):
-            if not keep:
-                array = np.asarray(array, np.float32)
-                array = array.T if transpose else array
+            array = array if keep else array.astype(np.float32, copy=False)
             setattr(parent, attr, _quantized_module(module, array, dtype,
                                                     lambda leaf, a, p=path[:-1]: place(p + (leaf,), a)))
         else:
-            array = np.asarray(array)
-            array = array.T if transpose else array
-            value = jnp.asarray(array, dtype) if shard_fn is None else shard_fn(path, array.astype(dtype))
-            _set(model, path, value)
+            _set(model, path, place(path, array.astype(dtype, copy=False)))
         seen.add(name)
     missing = sorted(set(wanted) - seen)
     if missing:

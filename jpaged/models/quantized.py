@@ -57,14 +57,18 @@ def quantize_int8(w: np.ndarray, axis: int = 0) -> tuple[np.ndarray, np.ndarray]
     return q, scale
 
 
+def _check_int8_scale(what: str, values, scale, axis: int) -> None:
+    """ValueError unless ``values`` is 2-D with one ``scale`` per index of its ``axis``."""
+    if values.ndim != 2 or scale.shape != (values.shape[axis],):
+        raise ValueError(f"{what} {values.shape} needs a scale of shape ({values.shape[axis]},), got {scale.shape}")
+
+
 class QuantizedLinear(nnx.Module):
     """``y = (x @ kernel) * scale + bias`` with ``kernel`` int8 ``[in, out]`` and ``scale`` float32
     ``[out]``; the matmul runs in ``x``'s dtype (the int8 kernel is converted inside the step)."""
 
     def __init__(self, kernel, scale, bias: nnx.Param | None = None):
-        if kernel.ndim != 2 or scale.shape != (kernel.shape[1],):
-            raise ValueError(f"QuantizedLinear: kernel {kernel.shape} needs a scale of shape "
-                             f"({kernel.shape[1]},), got {scale.shape}")
+        _check_int8_scale("QuantizedLinear: kernel", kernel, scale, axis=1)
         self.kernel = nnx.Param(kernel)
         self.scale = nnx.Param(scale)
         self.bias = bias
@@ -79,9 +83,7 @@ class QuantizedEmbed(nnx.Module):
     ``__call__(ids)`` looks rows up, ``attend(h)`` is ``h @ table.T`` (tied logits)."""
 
     def __init__(self, embedding, scale, dtype):
-        if embedding.ndim != 2 or scale.shape != (embedding.shape[0],):
-            raise ValueError(f"QuantizedEmbed: table {embedding.shape} needs a scale of shape "
-                             f"({embedding.shape[0]},), got {scale.shape}")
+        _check_int8_scale("QuantizedEmbed: table", embedding, scale, axis=0)
         self.embedding = nnx.Param(embedding)
         self.scale = nnx.Param(scale)
         self.dtype = dtype
