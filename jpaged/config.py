@@ -91,6 +91,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # filled from the model when None
+    # Decode steps per host round trip: when every scheduled sequence is decoding and nothing waits,
+    # up to this many steps run back to back on the device (`Scheduler.plan_decode_window`).
+    num_scheduler_steps: int = 1
 
     def __post_init__(self):
         if not (isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1):
@@ -100,6 +103,8 @@ class SchedulerConfig:
                   "must be an integer >= 1")
         if self.max_model_len is not None and not (isinstance(self.max_model_len, int) and self.max_model_len >= 1):
             _fail("SchedulerConfig", "max_model_len", self.max_model_len, "must be an integer >= 1")
+        if not (isinstance(self.num_scheduler_steps, int) and self.num_scheduler_steps >= 1):
+            _fail("SchedulerConfig", "num_scheduler_steps", self.num_scheduler_steps, "must be an integer >= 1")
 
 
 @dataclass

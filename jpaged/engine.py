@@ -91,7 +91,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, num_blocks=self.num_blocks, block_size=cc.block_size,
                                   dtype=self.dtype, mesh=self.mesh, seed=config.seed,
                                   max_num_seqs=sc.max_num_seqs, max_model_len=self.max_model_len,
-                                  kv_cache_dtype=self.kv_cache_dtype)
+                                  kv_cache_dtype=self.kv_cache_dtype,
+                                  max_decode_window=sc.num_scheduler_steps)
         self.requests: dict[str, Request] = {}
         self.peak_kv_cache_usage = 0.0
         self.num_failed_steps = 0
@@ -172,6 +173,8 @@ class LLMEngine:
             runner.execute(self._dummy_step(request, t_pad))
         if self.config.precompile:
             runner.compile_heads(max_tokens, sc.max_num_seqs)
+            if sc.num_scheduler_steps > 1:
+                runner.compile_decode_windows(sc.max_num_seqs)
             logger.info("precompiled %d step shapes in %.1f s", runner.num_compilations,
                         time.perf_counter() - start)
 
@@ -316,26 +319,36 @@ class LLMEngine:
         self.peak_kv_cache_usage = max(self.peak_kv_cache_usage, self.kv_cache.usage())
         if not out.requests:
             return self._fail_unschedulable()
+        num_steps = self.scheduler.plan_decode_window(out, self.config.scheduler.num_scheduler_steps)
         try:
-            result = self.runner.execute(out)
+            results = self.runner.execute_window(out, num_steps) if num_steps > 1 else [self.runner.execute(out)]
         except Exception as error:  # noqa: BLE001 -- any failure ends only this step's requests
             return self._fail_step(out, error)
-        advanced = self.scheduler.update_from_output(out, result.tokens, result.logprobs, result.top_ids,
-                                                     result.top_logprobs, result.prompt_logprobs)
         now = time.time()
+        advanced: dict[int, Request] = {}  # each request once, with its state after the last step
+        for i, result in enumerate(results):  # a decode window: its steps' tokens in order
+            step, rows = (out, None) if i == 0 else self.scheduler.window_substep(out)
+            if not step.requests:
+                break
+            pick = (lambda a: a) if rows is None else (lambda a: a[rows])  # noqa: E731
+            for request, seqs in self.scheduler.update_from_output(
+                    step, pick(result.tokens), pick(result.logprobs), pick(result.top_ids),
+                    pick(result.top_logprobs), result.prompt_logprobs):
+                if request.beam is None:
+                    for seq in seqs:
+                        self._detokenize(request, seq)
+                if request.metrics.first_token_time is None and seqs:
+                    request.metrics.first_token_time = now
+                advanced[id(request)] = request
         outputs = []
-        for request, seqs in advanced:
-            if request.beam is None:
-                for seq in seqs:
-                    self._detokenize(request, seq)
-            if request.metrics.first_token_time is None and seqs:
-                request.metrics.first_token_time = now
+        for request in advanced.values():
             if request.finished:
                 self._end(request)
             outputs.append(self._output(request))
-        self.step_timings.add(sum(len(s.token_ids) for s in out.seqs), schedule=scheduled - start,
-                              prepare=result.prepare_seconds, device=result.device_seconds,
-                              post=time.perf_counter() - scheduled - result.prepare_seconds - result.device_seconds)
+        prepare, device = results[0].prepare_seconds, results[0].device_seconds
+        self.step_timings.add(sum(len(s.token_ids) for s in out.seqs) * num_steps, steps=num_steps,
+                              schedule=scheduled - start, prepare=prepare, device=device,
+                              post=time.perf_counter() - scheduled - prepare - device)
         return outputs
 
     def _fail_step(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:

@@ -46,6 +46,18 @@ def _take_rows(x, indices):
     return x[indices]
 
 
+def _next_decode_step(md, tokens, block_size: int):
+    """A decode-only step's successor, on the device: each sequence's sampled token becomes its
+    input at the next position (token ``i`` of a decode-only step is sequence ``i``'s)."""
+    real = md.slot_mapping >= 0
+    positions = md.positions + 1
+    blocks = jnp.take_along_axis(md.block_tables, (positions // block_size)[:, None], axis=1, mode="clip")[:, 0]
+    md = dataclasses.replace(md, positions=jnp.where(real, positions, 0),
+                             slot_mapping=jnp.where(real, blocks * block_size + positions % block_size, -1),
+                             seq_lens=jnp.where(md.seq_lens > 0, md.seq_lens + 1, 0))
+    return jnp.where(real, tokens[:real.shape[0]], 0), md
+
+
 # A layer's cache is a tuple of pool arrays that all lead with [Hkv, num_blocks, block_size]:
 # (k_pages, v_pages), or with 8-bit pages (k_pages, v_pages, k_scales, v_scales). Block moves treat
 # every array alike, so scales always travel with their pages.
@@ -149,10 +161,12 @@ class ModelRunner:
     """
 
     def __init__(self, model, *, num_blocks: int, block_size: int, dtype, mesh, seed: int = 0,
-                 max_num_seqs: int = 256, max_model_len: int | None = None, kv_cache_dtype=None):
+                 max_num_seqs: int = 256, max_model_len: int | None = None, kv_cache_dtype=None,
+                 max_decode_window: int = 1):
         """``dtype``: the KV pages' dtype; ``kv_cache_dtype`` (int8 or float8_e4m3fn), when given,
         overrides it with 8-bit pages plus per-(token, head) scales. ``max_num_seqs`` and
-        ``max_model_len`` bound the step shapes (`buckets`)."""
+        ``max_model_len`` bound the step shapes (`buckets`); ``max_decode_window``: the most decode
+        steps one `execute_window` runs."""
         self.config = model.config
         self.max_seqs_bucket = bucket(max_num_seqs, MIN_ROWS)
         self.max_blocks_per_seq = cdiv(max_model_len or model.config.max_position_embeddings, block_size)
@@ -181,6 +195,8 @@ class ModelRunner:
             self._head = jax.jit(self.pieces.head, out_shardings=replicated)
             self._forward = self._forward_by_layer
         self._sample = jax.jit(sample)
+        self._window = jax.jit(functools.partial(self._window_fn, max_steps=max_decode_window),
+                               donate_argnums=(1,), out_shardings=(replicated, pool))
         self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
         self._gather = jax.jit(_gather_blocks, out_shardings=replicated)
         self._scatter = jax.jit(_scatter_blocks, donate_argnums=(0,))
@@ -311,6 +327,63 @@ class ModelRunner:
         result.prepare_seconds, result.device_seconds = prepared - start, time.perf_counter() - prepared
         return result
 
+    def execute_window(self, out: SchedulerOutput, num_steps: int) -> list[StepResult]:
+        """``num_steps`` decode steps of ``out``'s sequences (`Scheduler.plan_decode_window`) in one
+        jitted loop: each step's sampled tokens are the next step's inputs, on the device; the host
+        prepares once and reads every step's tokens at the end."""
+        start = time.perf_counter()
+        input_ids, md, logits_indices, _ = self.prepare(out)
+        rows = out.sample_rows
+        sampling = build_sampling_tensors(rows, logits_indices.shape[0], self.seed)
+        prepared = time.perf_counter()
+        with jax.set_mesh(self.mesh):
+            min_tokens = padded_ids([r.request.sampling_params.min_tokens for r in rows], logits_indices.shape[0], fill=0)
+            sampled, self.kv_caches = self._call(
+                "window", self._window, self._params(), self.kv_caches, input_ids, md, logits_indices,
+                sampling, min_tokens, np.int32(num_steps), num_fixed=2)
+        n = len(rows)
+        sampled = [np.asarray(a) for a in sampled]  # each [max steps, rows, ...]
+        results = [StepResult(*(a[i, :n] for a in sampled)) for i in range(num_steps)]
+        results[0].prepare_seconds, results[0].device_seconds = prepared - start, time.perf_counter() - prepared
+        return results
+
+    def _params(self):
+        return self.state if self.pieces is None else (self.pieces.shell_state, self.pieces.layer_leaves)
+
+    def _logits_fn(self, params, kv_caches, input_ids, md, logits_indices):
+        """The sampled rows' logits, traced whole (embed, every layer, head) for a decode window."""
+        if self.pieces is None:
+            (logits, _), kv_caches = self._forward_fn(params, kv_caches, input_ids, md, logits_indices)
+            return logits, kv_caches
+        p, (shell_state, layer_leaves) = self.pieces, params
+        x, extra = p.embed(shell_state, input_ids, md.positions)
+        new_caches = []
+        for group, first, end in p.calls:
+            x, caches = p.layer_fns[group](layer_leaves[first:end], kv_caches[first:end], x, extra, md)
+            new_caches += caches
+        return p.head(shell_state, x[logits_indices])[0], new_caches
+
+    def _window_fn(self, params, kv_caches, input_ids, md, logits_indices, sampling, min_tokens, num_steps, *,
+                   max_steps):
+        """Up to ``max_steps`` decode steps in a loop of ``num_steps`` (a run-time count): sampled
+        tokens, logprobs and top logprobs of every step, ``[max_steps, rows, ...]``. A row's banned
+        tokens (EOS and stop tokens) stay banned until it has ``min_tokens`` output tokens."""
+        def step(i, carry):
+            kv_caches, input_ids, md, outs = carry
+            logits, kv_caches = self._logits_fn(params, kv_caches, input_ids, md, logits_indices)
+            steps = sampling.steps + i  # each row's output tokens so far: its draw's key, its bans
+            banned = jnp.where((steps < min_tokens)[:, None], sampling.banned_token_ids, -1)
+            sampled = sample(logits, dataclasses.replace(sampling, steps=steps, banned_token_ids=banned))
+            outs = tuple(o.at[i].set(x) for o, x in zip(outs, sampled))
+            input_ids, md = _next_decode_step(md, sampled[0], self.block_size)
+            return kv_caches, input_ids, md, outs
+
+        shapes = jax.eval_shape(sample, jax.ShapeDtypeStruct((logits_indices.shape[0], self.config.vocab_size),
+                                                             jnp.float32), sampling)
+        outs = tuple(jnp.zeros((max_steps,) + x.shape, x.dtype) for x in shapes)
+        kv_caches, _, _, outs = jax.lax.fori_loop(0, num_steps, step, (kv_caches, input_ids, md, outs))
+        return outs, kv_caches
+
     def prepare(self, out: SchedulerOutput):
         """The step's flat token batch, padded to power-of-two buckets, and its attention metadata."""
         bs = self.block_size
@@ -373,6 +446,23 @@ class ModelRunner:
                     tensors = build_sampling_tensors([], r_pad, self.seed)
                     tensors.all_greedy = greedy
                     jax.block_until_ready(self._call("sample", self._sample, logits, tensors))
+
+    def compile_decode_windows(self, max_seqs: int) -> None:
+        """Compiles the decode window of every decode-only batch shape (greedy, and sampled without
+        penalties or filters)."""
+        for rows in self.token_buckets(max_seqs):
+            t_pad, s_pad, b_pad = self.buckets(rows, rows, 1)
+            md = make_attention_metadata(
+                self.attention_backend, positions=np.zeros(t_pad), slot_mapping=np.full(t_pad, -1),
+                query_start_loc=np.zeros(s_pad + 1), seq_lens=np.zeros(s_pad), num_seqs=0,
+                block_tables=np.zeros((s_pad, b_pad)))
+            for greedy in (True, False):
+                tensors = build_sampling_tensors([], rows, self.seed)
+                tensors.all_greedy = greedy
+                with jax.set_mesh(self.mesh):
+                    _, self.kv_caches = self._call(
+                        "window", self._window, self._params(), self.kv_caches, np.zeros(t_pad, np.int32), md,
+                        np.zeros(rows, np.int32), tensors, np.zeros(rows, np.int32), np.int32(0), num_fixed=2)
 
     def buckets(self, num_tokens: int, num_seqs: int, num_blocks: int) -> tuple[int, int, int]:
         """Padded (tokens, sequences, blocks per sequence) of a step.

@@ -21,8 +21,9 @@ class StepTimings:
     device: float = 0.0
     post: float = 0.0
 
-    def add(self, tokens: int, **seconds: float) -> None:
-        self.steps += 1
+    def add(self, tokens: int, steps: int = 1, **seconds: float) -> None:
+        """``steps`` model steps (a decode window runs several) with ``tokens`` tokens in all."""
+        self.steps += steps
         self.tokens += tokens
         for part, value in seconds.items():
             setattr(self, part, getattr(self, part) + value)

@@ -86,6 +86,19 @@ class KVCacheManager:
             self._cache_full_blocks(seq, cache_salt, seq.num_computed_tokens + num_new_tokens)
         return new_blocks
 
+    def reserve_slots(self, seqs: list[Sequence], num_new_tokens: int) -> bool:
+        """Grows each table to cover its next ``num_new_tokens`` slots, all or nothing, for tokens
+        not sampled yet (a decode window): nothing is registered in the prefix cache (the next
+        `allocate_slots` registers the blocks once their tokens are known), and no block is copied
+        (the window's first slot, already allocated this step, is the only one that can be shared).
+        """
+        need = sum(self._num_new_blocks(s, 0, num_new_tokens) for s in seqs)
+        if need > self.pool.num_free_blocks:
+            return False
+        for seq in seqs:
+            self._grow(seq, num_new_tokens)
+        return True
+
     def _num_new_blocks(self, seq: Sequence, num_cached_tokens: int, num_new_tokens: int) -> int:
         computed = seq.num_computed_tokens + num_cached_tokens
         table_len = len(self.block_table(seq)) + num_cached_tokens // self.block_size

@@ -142,6 +142,50 @@ class Scheduler:
         out.block_copies = self.kv_cache.take_pending_copies()
         return out
 
+    def plan_decode_window(self, out: SchedulerOutput, max_steps: int) -> int:
+        """How many decode steps ``out`` runs on the device before the host sees a token (1: this
+        step alone).
+
+        A window needs a step in which every sequence decodes one token into one sample row, with
+        no copies, swaps or waiting requests, and sampling that needs no host between tokens (no
+        grammar, penalties or bad words; ``min_tokens`` bans are lifted on the device). It lasts until the longest
+        ``max_tokens`` is reached (rows that end sooner compute unused tokens), at most
+        ``max_steps`` steps and never past ``max_model_len``; its slots are reserved here, and the
+        step's block tables updated. Stops and finishes are then applied token by token
+        (`window_substep`).
+        """
+        if (max_steps <= 1 or self.waiting or out.block_copies or out.swap_in or out.swap_out
+                or out.preempted or out.prompt_logprob_rows or not hasattr(self.kv_cache, "reserve_slots")
+                or len(out.sample_rows) != len(out.seqs)
+                or any(len(s.token_ids) != 1 for s in out.seqs)
+                or any(row.seq_row != i for i, row in enumerate(out.sample_rows))):
+            return 1
+        steps, longest = max_steps, 0
+        for sr in out.requests:
+            p = sr.request.sampling_params
+            if (sr.request.beam is not None or p._grammar is not None or p.uses_penalties
+                    or p._bad_word_ids):
+                return 1
+            for seq in sr.seqs:
+                steps = min(steps, self.max_model_len - seq.num_tokens)
+                longest = max(longest, max_steps if p.max_tokens is None else p.max_tokens - seq.num_output_tokens)
+        steps = min(steps, longest)
+        seqs = [seq for sr in out.requests for seq in sr.seqs]
+        if steps <= 1 or not self.kv_cache.reserve_slots(seqs, steps):
+            return 1
+        for scheduled, seq in zip(out.seqs, seqs):
+            scheduled.block_table = list(self.kv_cache.block_table(seq))
+        return steps
+
+    @staticmethod
+    def window_substep(out: SchedulerOutput) -> tuple[SchedulerOutput, list[int]]:
+        """The part of a decode window's step that is still live (requests and rows not finished),
+        and the indices of its sample rows in ``out``'s."""
+        rows = [i for i, row in enumerate(out.sample_rows) if not row.seq.finished]
+        live = {id(out.sample_rows[i].request) for i in rows}
+        requests = [sr for sr in out.requests if id(sr.request) in live]
+        return SchedulerOutput(requests=requests, sample_rows=[out.sample_rows[i] for i in rows]), rows
+
     def _num_new_tokens(self, request: Request, budget: int, num_cached_tokens: int = 0) -> int:
         seqs = request.live_seqs
         todo = seqs[0].num_tokens - seqs[0].num_computed_tokens - num_cached_tokens

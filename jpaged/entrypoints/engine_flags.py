@@ -8,7 +8,7 @@ from absl import flags
 
 ENGINE_FLAGS = ["dtype", "kv_cache_dtype", "block_size", "num_kv_blocks", "kv_cache_memory_bytes", "max_num_seqs",
                 "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "preemption_mode",
-                "tensor_parallel_size", "attention_backend", "precompile", "quantization"]
+                "tensor_parallel_size", "attention_backend", "precompile", "quantization", "num_scheduler_steps"]
 
 
 def define_engine_flags(flag_values=flags.FLAGS) -> None:
@@ -26,6 +26,8 @@ def define_engine_flags(flag_values=flags.FLAGS) -> None:
     flags.DEFINE_integer("max_num_seqs", None, "Sequences per step", **f)
     flags.DEFINE_integer("max_num_batched_tokens", None, "Tokens per step", **f)
     flags.DEFINE_integer("max_model_len", None, "Longest prompt + output", **f)
+    flags.DEFINE_integer("num_scheduler_steps", None, "Decode steps per host round trip: up to this many decode "
+                         "steps run back to back on the device when every sequence decodes", **f)
     flags.DEFINE_bool("enable_prefix_caching", None, "Automatic prefix caching", **f)
     flags.DEFINE_enum("preemption_mode", None, ["recompute", "swap"], "How to preempt when the pool is full", **f)
     flags.DEFINE_integer("tensor_parallel_size", None, "Devices to shard attention heads over", **f)
