@@ -68,8 +68,9 @@ def test_windows_wait_for_the_host_when_a_step_needs_it(llama_dir, monkeypatch):
     llm.generate(prompts[:1], penalized, use_tqdm=False)
     assert windows == []  # penalties read the output so far on the host
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    llm.generate(prompts, greedy, use_tqdm=False)  # one sequence at a time: the second waits
-    assert windows == [4, 3]  # the last request alone: its 7 decode steps in windows of at most 4
+    outs = llm.generate(prompts, greedy, use_tqdm=False)  # one sequence at a time: the second waits
+    assert windows == [4, 3, 4, 3]  # each request's 7 decode steps in windows of at most 4
+    assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8]
     assert llm.get_metrics()["num_free_blocks"] == llm.get_metrics()["num_total_blocks"]
 
 
