@@ -143,7 +143,7 @@ def ragged_attention(q, k_pages, v_pages, block_tables, seq_lens,
                      query_start_loc, num_seqs, *, scale,
                      prefill_chunk=PREFILL_CHUNK, pages=PAGES_PER_STEP,
                      prefill_batch=PREFILL_BATCH, k_scales=None,
-                     v_scales=None):
+                     v_scales=None, decode_attention=None):
   """The work split of the module docstring; arguments as in
   `ragged_paged_attention_reference`."""
   num_tokens = q.shape[0]
@@ -154,16 +154,17 @@ def ragged_attention(q, k_pages, v_pages, block_tables, seq_lens,
   seq_lens = seq_lens.astype(jnp.int32)
   tables = block_tables.astype(jnp.int32)
   q_len = jnp.where(real, qsl[1:] - qsl[:-1], 0)
-  out = jnp.zeros(q.shape, jnp.float32)
-
-  # Decode: one chunk of width 1 per sequence with one query, longest first.
-  is_decode = q_len == 1
-  order = jnp.argsort(jnp.where(is_decode, -seq_lens, 1))
-  out = _attend_chunks(
-      out, q, k_pages, v_pages, tables[order], qsl[order], seq_lens[order] - 1,
-      is_decode[order].astype(jnp.int32), jnp.sum(is_decode), width=1,
-      rows=DECODE_ROWS, pages=pages, scale=scale, k_scales=k_scales,
-      v_scales=v_scales)
+  if decode_attention is not None:  # e.g. cpu_decode.paged_decode
+    out = decode_attention(q, k_pages, v_pages, tables, seq_lens, qsl, num_seqs,
+                           scale=scale).astype(jnp.float32)
+  else:  # one chunk of width 1 per sequence with one query, longest first
+    is_decode = q_len == 1
+    order = jnp.argsort(jnp.where(is_decode, -seq_lens, 1))
+    out = _attend_chunks(
+        jnp.zeros(q.shape, jnp.float32), q, k_pages, v_pages, tables[order],
+        qsl[order], seq_lens[order] - 1, is_decode[order].astype(jnp.int32),
+        jnp.sum(is_decode), width=1, rows=DECODE_ROWS, pages=pages,
+        scale=scale, k_scales=k_scales, v_scales=v_scales)
 
   # Prefill: chunks of `prefill_chunk` tokens, longest context first.
   # Sequence s has ceil(q_len / W) of them; the static count bounds every
@@ -239,6 +240,7 @@ def ragged_paged_attention_reference(
     pages_per_compute_block: int | None = None,
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
+    decode_attention=None,
     backend: str | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -260,6 +262,9 @@ def ragged_paged_attention_reference(
       ``PAGES_PER_STEP``).
     k_scales, v_scales: ``[num_kv_heads, num_blocks, block_size]`` with
       8-bit pages (``quant.py``), else None.
+    decode_attention: None (the jnp loops), or a function with this
+      function's leading arguments and ``scale=`` that returns every decode
+      row's attention and zeros elsewhere (``cpu_decode.paged_decode``).
     backend, interpret: ignored (kernel knobs).
 
   Returns:
@@ -273,7 +278,7 @@ def ragged_paged_attention_reference(
       q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, num_seqs,
       scale=scale, prefill_chunk=num_queries_per_block or PREFILL_CHUNK,
       pages=pages_per_compute_block or PAGES_PER_STEP, k_scales=k_scales,
-      v_scales=v_scales)
+      v_scales=v_scales, decode_attention=decode_attention)
   return out.astype(q.dtype)
 
 

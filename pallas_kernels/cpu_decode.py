@@ -1,0 +1,104 @@
+"""Decode attention on the CPU through a C++ XLA FFI kernel (``cpu/paged_decode.cc``).
+
+XLA's CPU code for the jnp paged attention spends most of a decode step copying gathered pages and
+running small batched matmuls; the C++ kernel reads each key and value row once, straight from the
+pool, with an online softmax per block, and shares (sequence, KV head) items with XLA's intra-op
+thread pool. It is compiled on first use with the system C++ compiler (``g++`` or ``c++``) against
+the FFI headers jaxlib ships, cached under ``~/.cache/jpaged/cpu_kernels`` (keyed by the source,
+the flags, the jaxlib version and the CPU), and registered as the custom call
+``jpaged_paged_decode``. Without a compiler, `available()` is False and callers keep the jnp path.
+
+``paged_decode(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, num_seqs, scale=)``
+attends every decode row (a sequence with one query token) and leaves zeros in every other row;
+float32 pages only.
+"""
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu", "paged_decode.cc")
+TARGET = "jpaged_paged_decode"
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-fno-finite-math-only", "-mprefer-vector-width=512", "-std=c++17", "-shared", "-fPIC"]
+CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "cpu_kernels")
+
+logger = logging.getLogger("jpaged")
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _build(compiler: str) -> str:
+    """The shared library's path, compiled into the cache unless it is there already."""
+    with open(SOURCE, "rb") as f:
+        key = hashlib.sha256(f.read() + " ".join([compiler] + FLAGS).encode()
+                             + jax.lib.__version__.encode() + _cpu_id().encode()).hexdigest()[:16]
+    path = os.path.join(CACHE_DIR, f"paged_decode-{key}.so")
+    if not os.path.exists(path):
+        os.makedirs(CACHE_DIR, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=CACHE_DIR)
+        os.close(fd)
+        subprocess.run([compiler, *FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp],
+                       check=True, capture_output=True, text=True)
+        os.replace(tmp, path)  # atomic: a concurrent build never loads a half-written file
+    return path
+
+
+_registered: list = []  # the loaded library, once: XLA refuses a second handler for one name
+
+
+def _register(path: str) -> None:
+    if not _registered:
+        library = ctypes.cdll.LoadLibrary(path)
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.JpagedPagedDecode), platform="cpu")
+        _registered.append(library)
+
+
+@functools.cache
+def available() -> bool:
+    """Builds (once) and registers the kernel; False, with one log line, where that fails."""
+    compiler = _compiler()
+    if compiler is None:
+        logger.info("no C++ compiler found: CPU decode attention stays on the jnp path")
+        return False
+    try:
+        _register(_build(compiler))
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", "") or error
+        logger.warning("the C++ CPU decode kernel did not build (%s): the jnp path is used", str(detail)[-2000:])
+        return False
+    return True
+
+
+def supports(q, k_pages, k_scales=None) -> bool:
+    """Whether `paged_decode` can run these arrays: float32 pages without scales, on a CPU."""
+    return (k_scales is None and q.dtype == jnp.float32 and k_pages.dtype == jnp.float32
+            and jax.default_backend() == "cpu" and available())
+
+
+def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, num_seqs, *, scale):
+    """float32 ``[T, Hq, D]``: the attention of every decode row, zeros elsewhere."""
+    if not available():
+        raise RuntimeError("the C++ CPU decode kernel is not available (no C++ compiler, or it did not build)")
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    return call(q, k_pages, v_pages, i32(block_tables), i32(seq_lens), i32(query_start_loc),
+                i32(num_seqs).reshape(()), scale=np.float32(scale))
