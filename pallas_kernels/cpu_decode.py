@@ -74,7 +74,10 @@ def _register(path: str) -> None:
 
 @functools.cache
 def available() -> bool:
-    """Builds (once) and registers the kernel; False, with one log line, where that fails."""
+    """Builds (once) and registers the kernel; False, with one log line, where that fails, and
+    where ``JPAGED_CPU_DECODE=0`` turns it off (to compare with the jnp path)."""
+    if os.environ.get("JPAGED_CPU_DECODE") == "0":
+        return False
     compiler = _compiler()
     if compiler is None:
         logger.info("no C++ compiler found: CPU decode attention stays on the jnp path")

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
+from pallas_kernels import cpu_decode
 
 _MODE = flags.DEFINE_enum("mode", "steps", ["steps", "dense"],
                           "Engine-like steps (old vs new xla path) or paged vs dense decode.")
@@ -223,9 +224,13 @@ def run_steps():
   new_fn = jax.jit(functools.partial(pk.ragged_paged_attention_reference,
                                      scale=scale))
   old_fn = jax.jit(functools.partial(padded_gather_attention, scale=scale))
+  cpp = cpu_decode.available() and jax.default_backend() == "cpu"
+  cpp_fn = jax.jit(functools.partial(pk.ragged_paged_attention_reference, scale=scale,
+                                     decode_attention=cpu_decode.paged_decode)) if cpp else None
   print(f"platform={jax.default_backend()} one layer: {hkv} kv heads x {group}, "
-        f"head_dim {d}, block {bs}, float32; median of {_NUM_RUNS.value}")
-  print(f"{'case':<38} {'old_ms':>8} {'new_ms':>8} {'speed-up':>8} "
+        f"head_dim {d}, block {bs}, float32; median of {_NUM_RUNS.value}; cpp_ms: the new path with "
+        f"its decode rows in the C++ kernel (pallas_kernels/cpu_decode.py)")
+  print(f"{'case':<38} {'old_ms':>8} {'new_ms':>8} {'speed-up':>8} {'cpp_ms':>8} "
         f"{'KV MB att/old/new':>20} {'MFLOP att/old/new':>20} {'max_diff':>9}")
   for name, seqs in STEP_CASES.items():
     t = sum(n for n, _ in seqs)
@@ -254,11 +259,15 @@ def run_steps():
     old_args = (q, k, v, tables, positions, groups, token_to_row)
     t_old, t_new = time_fn(old_fn, *old_args), time_fn(new_fn, *new_args)
     diff = float(jnp.max(jnp.abs(old_fn(*old_args)[:t] - new_fn(*new_args)[:t])))
+    t_cpp = float("nan")
+    if cpp:
+      t_cpp = time_fn(cpp_fn, *new_args)
+      diff = max(diff, float(jnp.max(jnp.abs(cpp_fn(*new_args)[:t] - new_fn(*new_args)[:t]))))
     w = work(seqs, t_pad, b_pad, groups, bs, hkv, group, d)
     mb = "/".join(f"{w[x][0] / 1e6:.1f}" for x in ("attended", "old", "new"))
     mf = "/".join(f"{w[x][1] / 1e6:.0f}" for x in ("attended", "old", "new"))
     print(f"{name:<38} {t_old * 1e3:>8.2f} {t_new * 1e3:>8.2f} "
-          f"{t_old / t_new:>7.2f}x {mb:>20} {mf:>20} {diff:>9.1e}", flush=True)
+          f"{t_old / t_new:>7.2f}x {t_cpp * 1e3:>8.2f} {mb:>20} {mf:>20} {diff:>9.1e}", flush=True)
 
 
 def main(argv):
