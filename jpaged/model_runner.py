@@ -22,7 +22,7 @@ from jpaged.attention import attention_backend_of, make_attention_metadata
 from jpaged.core.scheduler import SchedulerOutput
 from jpaged.sampler import sample
 from jpaged.sampling_batch import build_sampling_tensors
-from jpaged.utils import bucket, cdiv, pad_rows, padded_ids
+from jpaged.utils import bucket, cdiv, pad_rows, padded_ids, step_bucket
 
 LAYERS_PER_CALL = 6  # one jitted call runs up to this many layers: compile cost vs dispatches
 MIN_TOKENS = 2  # XLA CPU runs [1, K] x [K, N] matmuls far slower than [2, K]
@@ -168,7 +168,7 @@ class ModelRunner:
         ``max_model_len`` bound the step shapes (`buckets`); ``max_decode_window``: the most decode
         steps one `execute_window` runs."""
         self.config = model.config
-        self.max_seqs_bucket = bucket(max_num_seqs, MIN_ROWS)
+        self.max_seqs_bucket = step_bucket(max_num_seqs, MIN_ROWS)
         self.max_blocks_per_seq = cdiv(max_model_len or model.config.max_position_embeddings, block_size)
         self.mesh = mesh
         self.attention_backend = attention_backend_of(model)
@@ -337,7 +337,8 @@ class ModelRunner:
         sampling = build_sampling_tensors(rows, logits_indices.shape[0], self.seed)
         prepared = time.perf_counter()
         with jax.set_mesh(self.mesh):
-            min_tokens = padded_ids([r.request.sampling_params.min_tokens for r in rows], logits_indices.shape[0], fill=0)
+            min_tokens = np.zeros(logits_indices.shape[0], np.int32)
+            min_tokens[:len(rows)] = [r.request.sampling_params.min_tokens for r in rows]
             sampled, self.kv_caches = self._call(
                 "window", self._window, self._params(), self.kv_caches, input_ids, md, logits_indices,
                 sampling, min_tokens, np.int32(num_steps), num_fixed=2)
@@ -385,7 +386,8 @@ class ModelRunner:
         return outs, kv_caches
 
     def prepare(self, out: SchedulerOutput):
-        """The step's flat token batch, padded to power-of-two buckets, and its attention metadata."""
+        """The step's flat token batch, padded to step buckets (`utils.step_bucket`), and its
+        attention metadata."""
         bs = self.block_size
         input_ids, positions, slots, seq_lens, tables = [], [], [], [], []
         query_start_loc = [0]
@@ -418,13 +420,15 @@ class ModelRunner:
             [(r.request, r.position) for r in rows],
             [query_start_loc[r.seq_row] + r.position - out.seqs[r.seq_row].start for r in rows],
             [r.target for r in rows])
-        return ids, md, padded_ids(logits_indices, MIN_ROWS, fill=0), prompt_lp
+        rows = np.zeros(step_bucket(len(logits_indices), MIN_ROWS), np.int32)
+        rows[:len(logits_indices)] = logits_indices
+        return ids, md, rows, prompt_lp
 
     def token_buckets(self, max_tokens: int) -> list[int]:
         """Every padded token count a step of at most ``max_tokens`` tokens can have."""
-        sizes = [bucket(MIN_TOKENS)]
-        while sizes[-1] < bucket(max_tokens, MIN_TOKENS):
-            sizes.append(sizes[-1] * 2)
+        sizes = [step_bucket(MIN_TOKENS)]
+        while sizes[-1] < step_bucket(max_tokens, MIN_TOKENS):
+            sizes.append(step_bucket(sizes[-1] + 1))
         return sizes
 
     def compile_heads(self, max_tokens: int, max_seqs: int) -> None:
@@ -467,16 +471,16 @@ class ModelRunner:
     def buckets(self, num_tokens: int, num_seqs: int, num_blocks: int) -> tuple[int, int, int]:
         """Padded (tokens, sequences, blocks per sequence) of a step.
 
-        Tokens go to a power of two (at least `MIN_TOKENS`); the sequence count follows from it
-        (as many rows as tokens, at most the ``max_num_seqs`` bucket unless the step has more
+        Tokens go to a step bucket (`utils.step_bucket`: 2, 4, 8, 16, 24, 32, 48, 64, ...; at least
+        `MIN_TOKENS`); the sequence count follows from it (as many rows as tokens, at most the ``max_num_seqs`` bucket unless the step has more
         sequences, as forking samples can), and on the ``xla`` backend
         every block table has the columns of ``max_model_len``: its attention loops only over real
         rows and blocks, so neither costs work, and a step's shapes depend on its token count
         alone. The Pallas kernels keep block tables in scalar memory: there the columns are the
         step's longest table's bucket.
         """
-        t_pad = bucket(num_tokens, MIN_TOKENS)
-        s_pad = max(min(t_pad, self.max_seqs_bucket), bucket(num_seqs, MIN_ROWS))
+        t_pad = step_bucket(num_tokens, MIN_TOKENS)
+        s_pad = max(min(t_pad, self.max_seqs_bucket), step_bucket(num_seqs, MIN_ROWS))
         if self.attention_backend == "xla":
             return t_pad, s_pad, bucket(self.max_blocks_per_seq)
         return t_pad, s_pad, bucket(num_blocks, 4)

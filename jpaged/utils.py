@@ -15,6 +15,15 @@ def next_power_of_two(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def step_bucket(n: int, minimum: int = 1) -> int:
+    """The smallest of 2, 4, 8, 16, 24, 32, 48, 64, 96, ... (powers of two, and from 24 on their
+    1.5x) that is >= max(n, minimum): a step's tokens and rows are padded to these, which wastes at
+    most a third of the work where powers of two alone waste up to half."""
+    n = max(n, minimum)
+    p = next_power_of_two(n)
+    return p * 3 // 4 if p >= 32 and n <= p * 3 // 4 else p
+
+
 def bucket(n: int, minimum: int = 1) -> int:
     """The smallest power of two >= max(n, minimum); 0 stays 0 when minimum is 0.
 

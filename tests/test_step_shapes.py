@@ -33,7 +33,7 @@ def test_precompile_leaves_nothing_to_compile_while_serving(llama_dir):
     llm = LLM(llama_dir[0], precompile=True, **ENGINE)
     compiled = llm.get_metrics()["num_compilations"]
     runner = llm.llm_engine.runner
-    assert runner.token_buckets(64) == [2, 4, 8, 16, 32, 64]
+    assert runner.token_buckets(64) == [2, 4, 8, 16, 24, 32, 48, 64]
     rng = np.random.default_rng(1)
     lengths = rng.integers(1, 120, 24)
     params = [greedy(int(n)) if i % 2 else SamplingParams(temperature=0.8, seed=i, max_tokens=int(n),
@@ -50,8 +50,9 @@ def test_a_steps_shapes_depend_on_its_token_count_alone(llama_dir):
     runner = LLM(llama_dir[0], **ENGINE).llm_engine.runner
     assert runner.buckets(1, 1, 1) == (2, 2, 16)        # max_model_len 256 / block 16 columns
     assert runner.buckets(5, 3, 3) == runner.buckets(5, 1, 16) == (8, 8, 16)
-    assert runner.buckets(33, 2, 1) == (64, 8, 16)       # rows: at most the max_num_seqs bucket
-    assert runner.buckets(33, 12, 1) == (64, 16, 16)     # unless forks make more sequences
+    assert runner.buckets(21, 3, 2) == (24, 8, 16)       # from 24 on, powers of two and their 1.5x
+    assert runner.buckets(33, 2, 1) == (48, 8, 16)       # rows: at most the max_num_seqs bucket
+    assert runner.buckets(33, 12, 1) == (48, 16, 16)     # unless forks make more sequences
 
 
 def test_step_timings_account_for_every_step(llama_dir):
