@@ -24,9 +24,9 @@ def gqa2_dir(tmp_path_factory):
     return _save(tmp_path_factory, "gqa2", LlamaConfig(num_key_value_heads=2, **cfg))
 
 
-def run(path, tp, prompts):
+def run(path, tp, prompts, **kwargs):
     llm = LLM(path, tensor_parallel_size=tp, num_kv_blocks=40, block_size=8, max_model_len=256,
-              max_num_batched_tokens=64, enable_prefix_caching=True)
+              max_num_batched_tokens=64, enable_prefix_caching=True, **kwargs)
     params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
     outs = llm.generate(prompts + prompts[:2], params, use_tqdm=False)  # repeats hit the prefix cache
     return llm, [o.outputs[0].token_ids for o in outs]
@@ -58,6 +58,16 @@ def test_tensor_parallel_tokens_identical_and_shardings(request, fixture, kv_hea
         heads_total = max(kv_heads, tp)  # fewer KV heads than devices: replicated
         assert k_pages.shape[0] == heads_total
         assert k_pages.addressable_shards[0].data.shape[0] == heads_total // tp
+
+
+def test_tensor_parallel_decode_windows(gqa2_dir):
+    path, _ = gqa2_dir
+    prompts = random_prompts(np.random.default_rng(2), [30, 9, 17])
+    _, expected = run(path, 1, prompts)
+    for tp in (2, 4):
+        llm, tokens = run(path, tp, prompts, num_scheduler_steps=4)
+        assert tokens == expected, f"tensor_parallel_size={tp} with decode windows"
+        assert llm.get_metrics()["num_free_blocks"] == llm.get_metrics()["num_total_blocks"]
 
 
 def test_data_parallel_replicas_on_disjoint_devices(gqa2_dir):
