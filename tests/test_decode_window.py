@@ -48,7 +48,9 @@ def test_windows_give_the_outputs_of_single_steps(llama_dir, monkeypatch):
               SamplingParams(temperature=1.0, n=2, seed=4, max_tokens=11, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[int(t) for t in first[0][2:4]]),
               SamplingParams(temperature=0.0, max_tokens=1),
-              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)]
+              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)]  # ends at max_model_len
+    prompts.append(random_prompts(rng, [245])[0])
     params[0] = SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True, logprobs=2, stop=[stop_text])
     single = outputs(LLM(llama_dir[0], **ENGINE), prompts, params)
     llm = LLM(llama_dir[0], num_scheduler_steps=6, **ENGINE)
@@ -56,6 +58,7 @@ def test_windows_give_the_outputs_of_single_steps(llama_dir, monkeypatch):
     assert outputs(llm, prompts, params) == single
     assert windows
     assert single[0][0][2] == "stop" and single[0][0][3] == stop_text
+    assert single[-1][0][2] == "length" and len(single[-1][0][0]) == ENGINE["max_model_len"] - 245
     m = llm.get_metrics()
     assert m["num_free_blocks"] == m["num_total_blocks"]
 
