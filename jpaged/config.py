@@ -91,8 +91,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # filled from the model when None
-    # Decode steps per host round trip: when every scheduled sequence is decoding and nothing waits,
-    # up to this many steps run back to back on the device (`Scheduler.plan_decode_window`).
+    # Decode steps per host round trip: when every scheduled sequence is decoding, up to this many
+    # steps run back to back on the device (`Scheduler.plan_decode_window`).
     num_scheduler_steps: int = 1
 
     def __post_init__(self):

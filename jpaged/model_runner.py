@@ -335,10 +335,10 @@ class ModelRunner:
         input_ids, md, logits_indices, _ = self.prepare(out)
         rows = out.sample_rows
         sampling = build_sampling_tensors(rows, logits_indices.shape[0], self.seed)
+        min_tokens = np.zeros(logits_indices.shape[0], np.int32)
+        min_tokens[:len(rows)] = [r.request.sampling_params.min_tokens for r in rows]
         prepared = time.perf_counter()
         with jax.set_mesh(self.mesh):
-            min_tokens = np.zeros(logits_indices.shape[0], np.int32)
-            min_tokens[:len(rows)] = [r.request.sampling_params.min_tokens for r in rows]
             sampled, self.kv_caches = self._call(
                 "window", self._window, self._params(), self.kv_caches, input_ids, md, logits_indices,
                 sampling, min_tokens, np.int32(num_steps), num_fixed=2)
@@ -446,10 +446,16 @@ class ModelRunner:
             for r_pad in row_buckets:
                 hidden = np.zeros((r_pad, self.config.hidden_size), self.dtype)
                 logits, _ = self._call("head", self._head, self.pieces.shell_state, hidden, None, None, num_fixed=1)
-                for greedy in (True, False):
-                    tensors = build_sampling_tensors([], r_pad, self.seed)
-                    tensors.all_greedy = greedy
+                for tensors in self._plain_sampling(r_pad):
                     jax.block_until_ready(self._call("sample", self._sample, logits, tensors))
+
+    def _plain_sampling(self, rows: int):
+        """The sampling tensors of ``rows`` rows that precompiling covers: greedy, and sampled
+        without penalties or filters."""
+        for greedy in (True, False):
+            tensors = build_sampling_tensors([], rows, self.seed)
+            tensors.all_greedy = greedy
+            yield tensors
 
     def compile_decode_windows(self, max_seqs: int) -> None:
         """Compiles the decode window of every decode-only batch shape (greedy, and sampled without
@@ -460,9 +466,7 @@ class ModelRunner:
                 self.attention_backend, positions=np.zeros(t_pad), slot_mapping=np.full(t_pad, -1),
                 query_start_loc=np.zeros(s_pad + 1), seq_lens=np.zeros(s_pad), num_seqs=0,
                 block_tables=np.zeros((s_pad, b_pad)))
-            for greedy in (True, False):
-                tensors = build_sampling_tensors([], rows, self.seed)
-                tensors.all_greedy = greedy
+            for tensors in self._plain_sampling(rows):
                 with jax.set_mesh(self.mesh):
                     _, self.kv_caches = self._call(
                         "window", self._window, self._params(), self.kv_caches, np.zeros(t_pad, np.int32), md,
@@ -472,9 +476,9 @@ class ModelRunner:
         """Padded (tokens, sequences, blocks per sequence) of a step.
 
         Tokens go to a step bucket (`utils.step_bucket`: 2, 4, 8, 16, 24, 32, 48, 64, ...; at least
-        `MIN_TOKENS`); the sequence count follows from it (as many rows as tokens, at most the ``max_num_seqs`` bucket unless the step has more
-        sequences, as forking samples can), and on the ``xla`` backend
-        every block table has the columns of ``max_model_len``: its attention loops only over real
+        `MIN_TOKENS`); the sequence count follows from it (as many rows as tokens, at most the
+        ``max_num_seqs`` bucket unless the step has more sequences, as forking samples can), and on
+        the ``xla`` backend every block table has the columns of ``max_model_len``: its attention loops only over real
         rows and blocks, so neither costs work, and a step's shapes depend on its token count
         alone. The Pallas kernels keep block tables in scalar memory: there the columns are the
         step's longest table's bucket.

@@ -28,7 +28,8 @@ import numpy as np
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu", "paged_decode.cc")
 TARGET = "jpaged_paged_decode"
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-fno-finite-math-only", "-mprefer-vector-width=512", "-std=c++17", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-ffast-math",
+         "-fno-finite-math-only", "-std=c++17", "-shared", "-fPIC"]
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "cpu_kernels")
 
 logger = logging.getLogger("jpaged")

@@ -258,11 +258,12 @@ def run_steps():
     new_args = (q, k, v, tables, seq_lens, qsl, np.int32(len(seqs)))
     old_args = (q, k, v, tables, positions, groups, token_to_row)
     t_old, t_new = time_fn(old_fn, *old_args), time_fn(new_fn, *new_args)
-    diff = float(jnp.max(jnp.abs(old_fn(*old_args)[:t] - new_fn(*new_args)[:t])))
+    new_out = new_fn(*new_args)[:t]
+    diff = float(jnp.max(jnp.abs(old_fn(*old_args)[:t] - new_out)))
     t_cpp = float("nan")
     if cpp:
       t_cpp = time_fn(cpp_fn, *new_args)
-      diff = max(diff, float(jnp.max(jnp.abs(cpp_fn(*new_args)[:t] - new_fn(*new_args)[:t]))))
+      diff = max(diff, float(jnp.max(jnp.abs(cpp_fn(*new_args)[:t] - new_out))))
     w = work(seqs, t_pad, b_pad, groups, bs, hkv, group, d)
     mb = "/".join(f"{w[x][0] / 1e6:.1f}" for x in ("attended", "old", "new"))
     mf = "/".join(f"{w[x][1] / 1e6:.0f}" for x in ("attended", "old", "new"))

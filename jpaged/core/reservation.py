@@ -207,6 +207,10 @@ class ReservationKVCacheManager:
             self.pool.free(*res)
         seq.block_hashes = []
 
+    def reserve_slots(self, seqs: list[Sequence], num_new_tokens: int) -> bool:
+        """Declines decode windows: a window may run past a shorter request's reservation."""
+        return False
+
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies

@@ -147,18 +147,17 @@ class Scheduler:
         step alone).
 
         A window needs a step in which every sequence decodes one token into one sample row, with
-        no copies or swaps, and sampling that needs no host between tokens (no
-        grammar, penalties or bad words; ``min_tokens`` bans are lifted on the device). It lasts until the longest
+        no copies or swaps, and sampling that needs no host between tokens (no grammar, penalties
+        or bad words; ``min_tokens`` bans are lifted on the device). It lasts until the longest
         ``max_tokens`` is reached (rows that end sooner compute unused tokens), at most
-        ``max_steps`` steps and never past ``max_model_len``; its slots are reserved here, and the
-        step's block tables updated. Stops and finishes are then applied token by token
+        ``max_steps`` steps and never past ``max_model_len``; its slots are reserved here (the KV
+        cache may decline), and the step's block tables updated. Stops and finishes are then applied token by token
         (`window_substep`). A request that waits (for blocks or a sequence slot: one that fits
         would have been admitted into this step, which would then not be decode-only) is admitted
         after the window, up to ``max_steps - 1`` steps later than without one.
         """
         if (max_steps <= 1 or out.block_copies or out.swap_in or out.swap_out
-                or out.preempted or out.prompt_logprob_rows or not hasattr(self.kv_cache, "reserve_slots")
-                or len(out.sample_rows) != len(out.seqs)
+                or out.preempted or out.prompt_logprob_rows or len(out.sample_rows) != len(out.seqs)
                 or any(len(s.token_ids) != 1 for s in out.seqs)
                 or any(row.seq_row != i for i, row in enumerate(out.sample_rows))):
             return 1
