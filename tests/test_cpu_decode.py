@@ -24,8 +24,9 @@ def test_kernel_builds_into_its_cache_and_registers(tmp_path, monkeypatch):
 @pytest.mark.parametrize("case", [
     decode_case([0, 1, 15, 16, 17, 40, 300], block_size=16),
     decode_case([3, 8, 9], block_size=8, group=1, num_kv_heads=3, head_dim=32),
+    decode_case([1, 16, 31, 200], group=2, head_dim=128),
     Case(seqs=[(5, 5), (1, 20), (0, 7), (9, 33), (1, 1)], max_seqs=7, extra_tokens=3),
-], ids=["decode_g4", "decode_mha", "mixed_padded"])
+], ids=["decode_g4", "decode_mha", "decode_d128", "mixed_padded"])
 def test_decode_rows_vs_numpy_and_zeros_elsewhere(case):
     args, kw = case.build()
     q, k, v, bt, sl, qsl, ns = args

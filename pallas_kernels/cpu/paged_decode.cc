@@ -5,8 +5,10 @@
 // token query_start_loc[s] attend to the first seq_lens[s] keys of the sequence's blocks; every
 // other output row is zero. One work item is one (sequence, KV head): its G = Hq / Hkv query heads
 // walk the sequence's blocks once, block by block, with an online softmax (one rescale per block),
-// reading each key and value row straight from the pool (no gathered copy). Work items are shared
-// between the calling thread and XLA's intra-op thread pool.
+// reading each key and value row straight from the pool (no gathered copy) while the next block is
+// prefetched: the pool is much larger than the cache, so decode attention is bound by memory. With
+// AVX-512, blocks of 16 tokens and heads of 64 or 128 dims take a register-resident path
+// (AttendRow16). Work items are shared between the calling thread and XLA's intra-op thread pool.
 //
 // Layout (pallas_kernels/reference.py): q [T, Hq, D]; k_pages, v_pages [Hkv, NB, BS, D] float32;
 // block_tables [S, B], seq_lens [S], query_start_loc [S + 1], num_seqs [] int32.
@@ -24,6 +26,10 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -74,46 +80,66 @@ inline float ExpNonPositive(float x) {
   return x < -88.f ? 0.f : p * two_n;
 }
 
-// q, out: [G, D]; k, v: one KV head's pages [NB, BS, D]; table: the sequence's blocks. Each key and
-// value row is loaded once for the G query heads; exponentials are vectorized over a block.
+// Starts loading a block's key and value rows (bytes each) into the cache: the pool is far larger
+// than the cache, so without this every block's first touch waits on memory.
+inline void PrefetchBlock(const float* k, const float* v, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) {
+    __builtin_prefetch(reinterpret_cast<const char*>(k) + i);
+    __builtin_prefetch(reinterpret_cast<const char*>(v) + i);
+  }
+}
+
+// q, out: [G, D]; k, v: one KV head's pages [NB, BS, D]; table: the sequence's blocks. Block by
+// block, each query head in turn scores the block's keys, updates its online softmax (one rescale
+// per block) and accumulates the block's values; the block stays in L1 for the G heads and the
+// next block is prefetched. kD > 0 fixes the head size at compile time (D == kD), so that a head's
+// query and accumulator rows live in registers.
+template <int kD>
 void AttendRow(const float* q, const float* k, const float* v, const int32_t* table, int64_t len,
                int64_t G, int64_t D, int64_t BS, float scale, float* out) {
-  std::vector<float> acc(G * D, 0.f), m(G, -std::numeric_limits<float>::infinity()), l(G, 0.f),
-      s(G * BS);
-  for (int64_t first = 0; first < len; first += BS) {
-    const int64_t block = table[first / BS];
-    const float* kb = k + block * BS * D;
-    const float* vb = v + block * BS * D;
-    const int64_t n = std::min(BS, len - first);
-    for (int64_t t = 0; t < n; ++t) {
-      for (int64_t g = 0; g < G; ++g) s[g * BS + t] = Dot(q + g * D, kb + t * D, D) * scale;
+  if (kD > 0) D = kD;
+  std::vector<float> acc(G * D, 0.f), m(G, -std::numeric_limits<float>::infinity()), l(G, 0.f), s(BS);
+  const int64_t num_blocks = (len + BS - 1) / BS, block_floats = BS * D;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const float* kb = k + table[b] * block_floats;
+    const float* vb = v + table[b] * block_floats;
+    if (b + 1 < num_blocks) {
+      PrefetchBlock(k + table[b + 1] * block_floats, v + table[b + 1] * block_floats, block_floats * 4);
     }
+    const int64_t n = std::min(BS, len - b * BS);
     for (int64_t g = 0; g < G; ++g) {
-      float* sg = s.data() + g * BS;
+      const float* qg = q + g * D;
       float block_max = -std::numeric_limits<float>::infinity();
-      for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, sg[t]);
+      for (int64_t t = 0; t < n; ++t) {
+        s[t] = Dot(qg, kb + t * D, D) * scale;
+        block_max = std::max(block_max, s[t]);
+      }
       const float m_new = std::max(m[g], block_max);
       const float correction = std::exp(m[g] - m_new);  // 0 on the first block
       float row_sum = 0.f;
 #pragma omp simd reduction(+ : row_sum)
       for (int64_t t = 0; t < n; ++t) {
-        sg[t] = ExpNonPositive(sg[t] - m_new);
-        row_sum += sg[t];
+        s[t] = ExpNonPositive(s[t] - m_new);
+        row_sum += s[t];
       }
       l[g] = l[g] * correction + row_sum;
       m[g] = m_new;
-      float* a = acc.data() + g * D;
+      float a[kD > 0 ? kD : 1];
+      float* ag = kD > 0 ? a : acc.data() + g * D;
+      if (kD > 0) {
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) a[d] *= correction;
-    }
-    for (int64_t t = 0; t < n; ++t) {
-      const float* vt = vb + t * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const float p = s[g * BS + t];
-        float* a = acc.data() + g * D;
+        for (int64_t d = 0; d < D; ++d) a[d] = acc[g * D + d] * correction;
+      } else {
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) a[d] += p * vt[d];
+        for (int64_t d = 0; d < D; ++d) ag[d] *= correction;
       }
+      for (int64_t t = 0; t < n; ++t) {
+        const float p = s[t];
+        const float* vt = vb + t * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ag[d] += p * vt[d];
+      }
+      if (kD > 0) std::memcpy(acc.data() + g * D, a, sizeof(float) * D);
     }
   }
   for (int64_t g = 0; g < G; ++g) {
@@ -121,6 +147,82 @@ void AttendRow(const float* q, const float* k, const float* v, const int32_t* ta
     for (int64_t d = 0; d < D; ++d) out[g * D + d] = acc[g * D + d] * inv;
   }
 }
+
+#ifdef __AVX512F__
+// Lane t of the result is the sum of v[t]'s 16 lanes: a transposing reduction tree (16 -> 8 -> 4
+// -> 2 -> 1 vectors), three instructions per pair instead of a horizontal sum per vector.
+inline __m512 SumLanes16(const __m512* v) {
+  __m512 r[8], quad[4], pair[2];
+  for (int i = 0; i < 8; ++i) {  // r[i]: v[2i] in lanes 0-7, v[2i+1] in lanes 8-15 (partial sums)
+    r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {  // quad[i]: 128-bit chunk c holds v[4i + c]
+    quad[i] = _mm512_add_ps(_mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0x88),
+                            _mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {  // pair[i]: chunk c holds v[8i + c] (2 lanes), v[8i + 4 + c] (2 lanes)
+    pair[i] = _mm512_add_ps(_mm512_shuffle_ps(quad[2 * i], quad[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                            _mm512_shuffle_ps(quad[2 * i], quad[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  // Lane 4c + j now holds the sum of v[4j + c]: transpose the 4 x 4 lane grid back.
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(pair[0], pair[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_ps(pair[0], pair[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
+}
+
+// AttendRow for blocks of 16 tokens and D = 16 * kChunks, in AVX-512 registers: a block's 16 scores
+// for one query head are one vector (SumLanes16), and the head's accumulator row stays in registers
+// while the block's values are added.
+template <int kChunks>
+void AttendRow16(const float* q, const float* k, const float* v, const int32_t* table, int64_t len,
+                 int64_t G, float scale, float* out) {
+  constexpr int64_t D = 16 * kChunks, BS = 16;
+  std::vector<float> acc(G * D, 0.f), m(G, -std::numeric_limits<float>::infinity()), l(G, 0.f);
+  const int64_t num_blocks = (len + BS - 1) / BS;
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  alignas(64) float p[BS];
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const float* kb = k + table[b] * BS * D;
+    const float* vb = v + table[b] * BS * D;
+    if (b + 1 < num_blocks) PrefetchBlock(k + table[b + 1] * BS * D, v + table[b + 1] * BS * D, BS * D * 4);
+    const int64_t n = std::min(BS, len - b * BS);
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 qg[kChunks], dots[BS];
+      for (int c = 0; c < kChunks; ++c) qg[c] = _mm512_loadu_ps(q + g * D + 16 * c);
+      for (int64_t t = 0; t < BS; ++t) {  // rows past n are in the block too; their scores are masked
+        __m512 dot = _mm512_mul_ps(qg[0], _mm512_loadu_ps(kb + t * D));
+        for (int c = 1; c < kChunks; ++c) dot = _mm512_fmadd_ps(qg[c], _mm512_loadu_ps(kb + t * D + 16 * c), dot);
+        dots[t] = dot;
+      }
+      const __m512 scores = _mm512_mask_blend_ps(valid, minus_inf, _mm512_mul_ps(SumLanes16(dots), _mm512_set1_ps(scale)));
+      const float m_new = std::max(m[g], _mm512_reduce_max_ps(scores));
+      const float correction = std::exp(m[g] - m_new);  // 0 on the first block
+      _mm512_store_ps(p, _mm512_sub_ps(scores, _mm512_set1_ps(m_new)));
+      float row_sum = 0.f;
+#pragma omp simd reduction(+ : row_sum)
+      for (int64_t t = 0; t < BS; ++t) {
+        p[t] = ExpNonPositive(p[t]);  // masked lanes: exp(-inf) = 0
+        row_sum += p[t];
+      }
+      l[g] = l[g] * correction + row_sum;
+      m[g] = m_new;
+      __m512 a[kChunks];
+      for (int c = 0; c < kChunks; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(&acc[g * D + 16 * c]), _mm512_set1_ps(correction));
+      for (int64_t t = 0; t < n; ++t) {
+        const __m512 pt = _mm512_set1_ps(p[t]);
+        for (int c = 0; c < kChunks; ++c) a[c] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vb + t * D + 16 * c), a[c]);
+      }
+      for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(&acc[g * D + 16 * c], a[c]);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = acc[g * D + d] * inv;
+  }
+}
+#endif
 
 ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
                            ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> block_tables,
@@ -166,8 +268,13 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   work->run = [&](int64_t item) {
     const int64_t r = decode[item / Hkv], h = item % Hkv, token = qsl[r];
     const int64_t offset = (token * Hq + h * G) * D;
-    AttendRow(qp + offset, kp + h * NB * BS * D, vp + h * NB * BS * D, tables + r * B, lens[r], G, D, BS,
-              scale, o + offset);
+    const float *qr = qp + offset, *kh = kp + h * NB * BS * D, *vh = vp + h * NB * BS * D;
+#ifdef __AVX512F__
+    if (BS == 16 && D == 64) return AttendRow16<4>(qr, kh, vh, tables + r * B, lens[r], G, scale, o + offset);
+    if (BS == 16 && D == 128) return AttendRow16<8>(qr, kh, vh, tables + r * B, lens[r], G, scale, o + offset);
+#endif
+    auto attend = D == 64 ? AttendRow<64> : D == 128 ? AttendRow<128> : AttendRow<0>;
+    attend(qr, kh, vh, tables + r * B, lens[r], G, D, BS, scale, o + offset);
   };
   if (work->total == 0) return ffi::Error::Success();
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->total - 1);
