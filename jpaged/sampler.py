@@ -22,6 +22,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jpaged import sharding
+from pallas_kernels import cpu_decode
+
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["temperature", "top_k", "top_p", "min_p", "seeds", "steps",
@@ -136,12 +139,22 @@ def apply_filters(logits, t: SamplingTensors):
 
 def argmax(x):
     """``jnp.argmax`` over the last axis (the first of equal maxima), as two plain reductions: XLA
-    CPU runs argmax's (value, index) reduction several times slower. A row with a NaN gives the
-    last index."""
+    CPU runs argmax's (value, index) reduction several times slower. A row with a NaN gives an
+    index in range (the last where the max is NaN; XLA's CPU max may skip a NaN)."""
     vocab = x.shape[-1]
     best = jnp.max(x, axis=-1, keepdims=True)
     first = jnp.min(jnp.where(x == best, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)
     return jnp.minimum(first, vocab - 1)
+
+
+def greedy_reductions(logits):
+    """(`argmax`, log-sum-exp) of every row: on a CPU, in one C++ call (`cpu_decode.greedy`) that
+    reads each row while it is in the cache, not XLA's several passes over the whole batch (a row
+    with a NaN gives the last index there)."""
+    if (jax.default_backend() == "cpu" and logits.dtype == jnp.float32 and sharding.model_axis_size() == 1
+            and cpu_decode.available()):
+        return cpu_decode.greedy(logits)
+    return argmax(logits), jax.nn.logsumexp(logits, axis=-1)
 
 
 def sample(logits, t: SamplingTensors):
@@ -152,6 +165,9 @@ def sample(logits, t: SamplingTensors):
     logits = apply_masks(logits, t)
     if t.use_penalties:
         logits = apply_penalties(logits, t)
+    if t.all_greedy and logits is raw_logits:  # nothing changed the logits: one pass for both
+        tokens, log_norm = greedy_reductions(logits)
+        return _with_logprobs(tokens, raw_logits, t.num_logprobs, log_norm)
     greedy_tokens = argmax(logits)
     if t.all_greedy:
         return _with_logprobs(greedy_tokens, raw_logits, t.num_logprobs)
@@ -165,10 +181,13 @@ def sample(logits, t: SamplingTensors):
     return _with_logprobs(tokens, raw_logits, t.num_logprobs)
 
 
-def _with_logprobs(tokens, logits, num_logprobs):
+def _with_logprobs(tokens, logits, num_logprobs, log_norm=None):
     """The model's log-probabilities (log-softmax of ``logits``) of ``tokens`` and of each row's
-    ``num_logprobs`` likeliest tokens, without forming the whole [S, V] log-softmax."""
-    log_norm = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    ``num_logprobs`` likeliest tokens, without forming the whole [S, V] log-softmax; ``log_norm``:
+    the rows' log-sum-exp, where it is known already."""
+    if log_norm is None:
+        log_norm = jax.nn.logsumexp(logits, axis=-1)
+    log_norm = log_norm[:, None]
     token_logprobs = (jnp.take_along_axis(logits, tokens[:, None], axis=-1) - log_norm)[:, 0]
     num_logprobs = min(num_logprobs, logits.shape[-1])  # the bucket may exceed a tiny vocabulary
     if num_logprobs:

@@ -1,16 +1,19 @@
-"""Decode attention on the CPU through a C++ XLA FFI kernel (``cpu/paged_decode.cc``).
+"""A decode step's C++ kernels for the CPU, as XLA FFI custom calls: paged decode attention
+(``cpu/paged_decode.cc``) and greedy sampling's reductions (``cpu/greedy.cc``).
 
 XLA's CPU code for the jnp paged attention spends most of a decode step copying gathered pages and
 running small batched matmuls; the C++ kernel reads each key and value row once, straight from the
 pool, with an online softmax per block, and shares (sequence, KV head) items with XLA's intra-op
-thread pool. It is compiled on first use with the system C++ compiler (``g++`` or ``c++``) against
-the FFI headers jaxlib ships, cached under ``~/.cache/jpaged/cpu_kernels`` (keyed by the source,
-the flags, the jaxlib version and the CPU), and registered as the custom call
-``jpaged_paged_decode``. Without a compiler, `available()` is False and callers keep the jnp path.
+thread pool. XLA runs greedy sampling's argmax and log-sum-exp as several passes over the
+``[rows, vocab]`` logits; the C++ one reads each row twice while it is in the cache. Both are
+compiled on first use into one library with the system C++ compiler (``g++`` or ``c++``) against
+the FFI headers jaxlib ships, cached under ``~/.cache/jpaged/cpu_kernels`` (keyed by the sources,
+the flags, the jaxlib version and the CPU), and registered as the custom calls ``jpaged_paged_decode``
+and ``jpaged_greedy``. Without a compiler, `available()` is False and callers keep the jnp paths.
 
 ``paged_decode(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, num_seqs, scale=)``
 attends every decode row (a sequence with one query token) and leaves zeros in every other row;
-float32 pages only.
+float32 pages only. ``greedy(logits)`` gives each row's first maximum and log-sum-exp.
 """
 import ctypes
 import functools
@@ -26,8 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu", "paged_decode.cc")
-TARGET = "jpaged_paged_decode"
+CPU_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu")
+SOURCES = [os.path.join(CPU_DIR, name) for name in ("paged_decode.cc", "greedy.cc")]
+HEADERS = [os.path.join(CPU_DIR, "common.h")]
+TARGETS = {"jpaged_paged_decode": "JpagedPagedDecode", "jpaged_greedy": "JpagedGreedy"}  # name: symbol
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-ffast-math",
          "-fno-finite-math-only", "-std=c++17", "-shared", "-fPIC"]
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "cpu_kernels")
@@ -49,15 +54,18 @@ def _cpu_id() -> str:
 
 def _build(compiler: str) -> str:
     """The shared library's path, compiled into the cache unless it is there already."""
-    with open(SOURCE, "rb") as f:
-        key = hashlib.sha256(f.read() + " ".join([compiler] + FLAGS).encode()
-                             + jax.lib.__version__.encode() + _cpu_id().encode()).hexdigest()[:16]
-    path = os.path.join(CACHE_DIR, f"paged_decode-{key}.so")
+    sources = b""
+    for source in SOURCES + HEADERS:
+        with open(source, "rb") as f:
+            sources += f.read()
+    key = hashlib.sha256(sources + " ".join([compiler] + FLAGS).encode()
+                         + jax.lib.__version__.encode() + _cpu_id().encode()).hexdigest()[:16]
+    path = os.path.join(CACHE_DIR, f"jpaged_cpu-{key}.so")
     if not os.path.exists(path):
         os.makedirs(CACHE_DIR, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=CACHE_DIR)
         os.close(fd)
-        subprocess.run([compiler, *FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp],
+        subprocess.run([compiler, *FLAGS, "-I", jax.ffi.include_dir(), *SOURCES, "-o", tmp],
                        check=True, capture_output=True, text=True)
         os.replace(tmp, path)  # atomic: a concurrent build never loads a half-written file
     return path
@@ -69,25 +77,26 @@ _registered: list = []  # the loaded library, once: XLA refuses a second handler
 def _register(path: str) -> None:
     if not _registered:
         library = ctypes.cdll.LoadLibrary(path)
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.JpagedPagedDecode), platform="cpu")
+        for name, symbol in TARGETS.items():
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
         _registered.append(library)
 
 
 @functools.cache
 def available() -> bool:
-    """Builds (once) and registers the kernel; False, with one log line, where that fails, and
-    where ``JPAGED_CPU_DECODE=0`` turns it off (to compare with the jnp path)."""
+    """Builds (once) and registers the kernels; False, with one log line, where that fails, and
+    where ``JPAGED_CPU_DECODE=0`` turns them off (to compare with the jnp paths)."""
     if os.environ.get("JPAGED_CPU_DECODE") == "0":
         return False
     compiler = _compiler()
     if compiler is None:
-        logger.info("no C++ compiler found: CPU decode attention stays on the jnp path")
+        logger.info("no C++ compiler found: CPU decode attention and greedy sampling stay on the jnp paths")
         return False
     try:
         _register(_build(compiler))
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", "") or error
-        logger.warning("the C++ CPU decode kernel did not build (%s): the jnp path is used", str(detail)[-2000:])
+        logger.warning("the C++ CPU kernels did not build (%s): the jnp paths are used", str(detail)[-2000:])
         return False
     return True
 
@@ -102,7 +111,19 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, n
     """float32 ``[T, Hq, D]``: the attention of every decode row, zeros elsewhere."""
     if not available():
         raise RuntimeError("the C++ CPU decode kernel is not available (no C++ compiler, or it did not build)")
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    call = jax.ffi.ffi_call("jpaged_paged_decode", jax.ShapeDtypeStruct(q.shape, jnp.float32))
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     return call(q, k_pages, v_pages, i32(block_tables), i32(seq_lens), i32(query_start_loc),
                 i32(num_seqs).reshape(()), scale=np.float32(scale))
+
+
+def greedy(logits):
+    """float32 ``[S, V]`` -> (int32 ``[S]``: the index of each row's first maximum; float32 ``[S]``:
+    its log-sum-exp). A row with a NaN gives ``V - 1`` and NaN, as `jpaged.sampler.argmax` and
+    ``jax.nn.logsumexp`` do."""
+    if not available():
+        raise RuntimeError("the C++ CPU kernels are not available (no C++ compiler, or they did not build)")
+    rows = logits.shape[0]
+    call = jax.ffi.ffi_call("jpaged_greedy", (jax.ShapeDtypeStruct((rows,), jnp.int32),
+                                              jax.ShapeDtypeStruct((rows,), jnp.float32)))
+    return call(logits.astype(jnp.float32))

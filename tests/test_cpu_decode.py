@@ -69,3 +69,37 @@ def test_without_a_compiler_the_jnp_path_serves(monkeypatch):
         assert not cpu_decode.supports(jnp.zeros((2, 4, 8)), jnp.zeros((1, 4, 8, 8)))
     finally:
         cpu_decode.available.cache_clear()  # the next caller builds (or finds) it again
+
+
+def test_greedy_matches_argmax_and_logsumexp_with_ties_nan_and_infinities():
+    from jpaged.sampler import argmax
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((7, 1000)).astype(np.float32) * 4
+    logits[1, [5, 600]] = 50.0  # a tie: the first index wins
+    logits[2, 999] = 80.0  # the last index (and a tail shorter than the vector width: 1000 % 32)
+    logits[3, 17] = np.nan
+    logits[4] = -np.inf
+    logits[5, 3] = np.inf
+    logits[6, :10] = -np.inf  # masked tokens among finite ones
+    tokens, lse = jax.jit(cpu_decode.greedy)(jnp.asarray(logits))
+    expected_tokens = np.asarray(argmax(jnp.asarray(logits)))
+    expected_lse = np.asarray(jax.nn.logsumexp(jnp.asarray(logits), axis=-1))
+    tokens, lse = np.asarray(tokens), np.asarray(lse)
+    assert tokens[3] == 999 and np.isnan(lse[3])  # a NaN row: the last index (XLA's max may skip a NaN)
+    keep = [0, 1, 2, 4, 5, 6]
+    np.testing.assert_array_equal(tokens[keep], expected_tokens[keep])
+    assert list(tokens[1:3]) == [5, 999]
+    np.testing.assert_allclose(lse[keep], expected_lse[keep], rtol=1e-6)  # +-inf where jnp has them
+
+
+def test_greedy_sampling_through_the_kernel_equals_the_jnp_path(monkeypatch):
+    from jpaged import sampler
+    from jpaged.sampling_batch import build_sampling_tensors
+    logits = jnp.asarray(np.random.default_rng(1).standard_normal((6, 300)).astype(np.float32))
+    tensors = build_sampling_tensors([], 6, 0)
+    tensors.all_greedy, tensors.num_logprobs = True, 3
+    with_kernel = jax.jit(sampler.sample)(logits, tensors)
+    monkeypatch.setattr(cpu_decode, "available", lambda: False)
+    without = jax.jit(sampler.sample)(logits, tensors)
+    for a, b in zip(with_kernel, without):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)

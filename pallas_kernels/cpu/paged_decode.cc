@@ -8,76 +8,35 @@
 // reading each key and value row straight from the pool (no gathered copy) while the next block is
 // prefetched: the pool is much larger than the cache, so decode attention is bound by memory. With
 // AVX-512, blocks of 16 tokens and heads of 64 or 128 dims take a register-resident path
-// (AttendRow16). Work items are shared between the calling thread and XLA's intra-op thread pool.
+// (AttendRow16). Work items are shared with XLA's intra-op thread pool (common.h).
 //
 // Layout (pallas_kernels/reference.py): q [T, Hq, D]; k_pages, v_pages [Hkv, NB, BS, D] float32;
 // block_tables [S, B], seq_lens [S], query_start_loc [S + 1], num_seqs [] int32.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <limits>
-#include <memory>
-#include <mutex>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "common.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 
 namespace ffi = xla::ffi;
+using jpaged::ExpNonPositive;
 
 namespace {
-
-struct Work {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  int64_t total = 0;
-  std::mutex mu;
-  std::condition_variable cv;
-  std::function<void(int64_t)> run;
-};
-
-// Runs work items until none is left; the last finisher wakes the caller.
-void Drain(const std::shared_ptr<Work>& work) {
-  int64_t finished = 0;
-  for (int64_t i; (i = work->next.fetch_add(1)) < work->total; ++finished) work->run(i);
-  if (finished && work->done.fetch_add(finished) + finished == work->total) {
-    std::lock_guard<std::mutex> lock(work->mu);
-    work->cv.notify_all();
-  }
-}
 
 float Dot(const float* a, const float* b, int64_t n) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
   return sum;
-}
-
-// exp(x) for x <= 0 (a score minus its running max), in a form the compiler vectorizes: 2^n e^r
-// with |r| <= ln2 / 2 and Cephes' degree-6 polynomial for e^r (~1e-7 relative error); 0 below -88.
-inline float ExpNonPositive(float x) {
-  const float clamped = std::max(x, -88.f);
-  const float n = std::floor(clamped * 1.44269504088896341f + 0.5f);
-  const float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return x < -88.f ? 0.f : p * two_n;
 }
 
 // Starts loading a block's key and value rows (bytes each) into the cache: the pool is far larger
@@ -260,12 +219,10 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
       decode.push_back(r);
     }
   }
-  auto work = std::make_shared<Work>();
-  work->total = static_cast<int64_t>(decode.size()) * Hkv;
   const float* qp = q.typed_data();
   const float* kp = k_pages.typed_data();
   const float* vp = v_pages.typed_data();
-  work->run = [&](int64_t item) {
+  jpaged::ParallelFor(pool, static_cast<int64_t>(decode.size()) * Hkv, [&](int64_t item) {
     const int64_t r = decode[item / Hkv], h = item % Hkv, token = qsl[r];
     const int64_t offset = (token * Hq + h * G) * D;
     const float *qr = qp + offset, *kh = kp + h * NB * BS * D, *vh = vp + h * NB * BS * D;
@@ -275,13 +232,7 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
 #endif
     auto attend = D == 64 ? AttendRow<64> : D == 128 ? AttendRow<128> : AttendRow<0>;
     attend(qr, kh, vh, tables + r * B, lens[r], G, D, BS, scale, o + offset);
-  };
-  if (work->total == 0) return ffi::Error::Success();
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->total - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { Drain(work); });
-  Drain(work);
-  std::unique_lock<std::mutex> lock(work->mu);
-  work->cv.wait(lock, [&] { return work->done.load() == work->total; });
+  });
   return ffi::Error::Success();
 }
 

@@ -1,0 +1,72 @@
+// What the CPU kernels share: running work items on XLA's intra-op thread pool, and a vectorizable
+// exp for non-positive arguments.
+#ifndef JPAGED_CPU_COMMON_H_
+#define JPAGED_CPU_COMMON_H_
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jpaged {
+
+// Runs run(0) ... run(total - 1) on the calling thread and up to pool.num_threads() helpers, items
+// handed out one at a time (they may differ in cost); returns when all are done.
+inline void ParallelFor(xla::ffi::ThreadPool& pool, int64_t total, std::function<void(int64_t)> run) {
+  struct Work {
+    std::atomic<int64_t> next{0}, done{0};
+    int64_t total;
+    std::function<void(int64_t)> run;
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  if (total <= 0) return;
+  auto work = std::make_shared<Work>();
+  work->total = total;
+  work->run = std::move(run);
+  auto drain = [work] {  // a helper that starts after every item is taken does nothing
+    int64_t finished = 0;
+    for (int64_t i; (i = work->next.fetch_add(1)) < work->total; ++finished) work->run(i);
+    if (finished && work->done.fetch_add(finished) + finished == work->total) {
+      std::lock_guard<std::mutex> lock(work->mu);
+      work->cv.notify_all();
+    }
+  };
+  for (int64_t i = 0, helpers = std::min<int64_t>(pool.num_threads(), total - 1); i < helpers; ++i) {
+    auto task = drain;
+    pool.Schedule(std::move(task));
+  }
+  drain();
+  std::unique_lock<std::mutex> lock(work->mu);
+  work->cv.wait(lock, [&] { return work->done.load() == work->total; });
+}
+
+// exp(x) for x <= 0 (a value minus its running max), in a form the compiler vectorizes: 2^n e^r
+// with |r| <= ln2 / 2 and Cephes' degree-6 polynomial for e^r (~1e-7 relative error); 0 below -88.
+inline float ExpNonPositive(float x) {
+  const float clamped = std::max(x, -88.f);
+  const float n = std::floor(clamped * 1.44269504088896341f + 0.5f);
+  const float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return x < -88.f ? 0.f : p * two_n;
+}
+
+}  // namespace jpaged
+
+#endif  // JPAGED_CPU_COMMON_H_
