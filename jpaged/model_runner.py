@@ -420,7 +420,7 @@ class ModelRunner:
             [(r.request, r.position) for r in rows],
             [query_start_loc[r.seq_row] + r.position - out.seqs[r.seq_row].start for r in rows],
             [r.target for r in rows])
-        rows = np.zeros(step_bucket(len(logits_indices), MIN_ROWS), np.int32)
+        rows = np.zeros(self.rows_bucket(len(logits_indices), t_pad), np.int32)
         rows[:len(logits_indices)] = logits_indices
         return ids, md, rows, prompt_lp
 
@@ -430,6 +430,15 @@ class ModelRunner:
         while sizes[-1] < step_bucket(max_tokens, MIN_TOKENS):
             sizes.append(step_bucket(sizes[-1] + 1))
         return sizes
+
+    @staticmethod
+    def rows_bucket(num_rows: int, t_pad: int) -> int:
+        """The padded sampled-row count of a step of ``t_pad`` padded tokens: the step bucket where
+        the rows fill the step (decode), else a power of two of at most ``t_pad``. A step with
+        prompt tokens samples few rows, and the coarse sizes keep the (tokens, rows) pairs that
+        compile few."""
+        fine = step_bucket(num_rows, MIN_ROWS)
+        return fine if fine >= t_pad else min(bucket(num_rows, MIN_ROWS), t_pad)
 
     def compile_heads(self, max_tokens: int, max_seqs: int) -> None:
         """Compiles what follows the layers for every sampled-row bucket: taking the rows out of
@@ -441,7 +450,7 @@ class ModelRunner:
         with jax.set_mesh(self.mesh):
             for t_pad in self.token_buckets(max_tokens):
                 x = np.zeros((t_pad, self.config.hidden_size), self.dtype)
-                for r_pad in (r for r in row_buckets if r <= t_pad):
+                for r_pad in sorted({self.rows_bucket(r, t_pad) for r in range(1, min(t_pad, max_seqs) + 1)}):
                     self._call("rows", self._take_rows, x, np.zeros(r_pad, np.int32))
             for r_pad in row_buckets:
                 hidden = np.zeros((r_pad, self.config.hidden_size), self.dtype)

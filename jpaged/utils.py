@@ -16,12 +16,16 @@ def next_power_of_two(n: int) -> int:
 
 
 def step_bucket(n: int, minimum: int = 1) -> int:
-    """The smallest of 2, 4, 8, 16, 24, 32, 48, 64, 96, ... (powers of two, and from 24 on their
-    1.5x) that is >= max(n, minimum): a step's tokens and rows are padded to these, which wastes at
-    most a third of the work where powers of two alone waste up to half."""
+    """The smallest step size >= max(n, minimum): 2, 4, 8, 16, 24, 32, 48, 64, then quarter steps
+    up to 256 (80, 96, 112, 128, 160, 192, 224, 256), then 384, 512, 768, ... (powers of two and
+    their 1.5x). A step's tokens and rows are padded to these: a large decode batch wastes at most a
+    fifth of its work (powers of two alone: up to half), and the prefill sizes stay few."""
     n = max(n, minimum)
     p = next_power_of_two(n)
-    return p * 3 // 4 if p >= 32 and n <= p * 3 // 4 else p
+    if p <= 16:
+        return p
+    step = p // 8 if 64 < p <= 256 else p // 4  # quarter steps from 64 to 256, else half steps
+    return -(-n // step) * step
 
 
 def bucket(n: int, minimum: int = 1) -> int:

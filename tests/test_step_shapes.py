@@ -33,7 +33,7 @@ def test_precompile_leaves_nothing_to_compile_while_serving(llama_dir):
     llm = LLM(llama_dir[0], precompile=True, **ENGINE)
     compiled = llm.get_metrics()["num_compilations"]
     runner = llm.llm_engine.runner
-    assert runner.token_buckets(64) == [2, 4, 8, 16, 24, 32, 48, 64]
+    assert runner.token_buckets(128) == [2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128]
     rng = np.random.default_rng(1)
     lengths = rng.integers(1, 120, 24)
     params = [greedy(int(n)) if i % 2 else SamplingParams(temperature=0.8, seed=i, max_tokens=int(n),
@@ -44,6 +44,17 @@ def test_precompile_leaves_nothing_to_compile_while_serving(llama_dir):
     assert llm.get_metrics()["num_compilations"] == compiled
     m = llm.get_metrics()
     assert m["num_free_blocks"] == m["num_total_blocks"]
+
+
+def test_step_buckets_and_sampled_row_buckets():
+    from jpaged.utils import step_bucket
+    sizes = sorted({step_bucket(n) for n in range(1, 2049)})
+    assert sizes == [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 384, 512, 768,
+                     1024, 1536, 2048]
+    rows_bucket = model_runner.ModelRunner.rows_bucket
+    assert rows_bucket(70, 80) == 80  # a decode step: its rows fill its tokens
+    assert rows_bucket(70, 2048) == 128 and rows_bucket(3, 512) == 4  # prompt tokens too: a power of two
+    assert rows_bucket(90, 96) == 96 and rows_bucket(200, 112) == 224  # never fewer rows than sampled
 
 
 def test_a_steps_shapes_depend_on_its_token_count_alone(llama_dir):
