@@ -5,7 +5,7 @@ XLA's CPU code for the jnp paged attention spends most of a decode step copying 
 running small batched matmuls; the C++ kernel reads each key and value row once, straight from the
 pool, with an online softmax per block, and shares (sequence, KV head) items with XLA's intra-op
 thread pool. XLA runs greedy sampling's argmax and log-sum-exp as several passes over the
-``[rows, vocab]`` logits; the C++ one reads each row twice while it is in the cache. Both are
+``[rows, vocab]`` logits; the C++ one makes its passes over a row while the row is in the cache. Both are
 compiled on first use into one library with the system C++ compiler (``g++`` or ``c++``) against
 the FFI headers jaxlib ships, cached under ``~/.cache/jpaged/cpu_kernels`` (keyed by the sources,
 the flags, the jaxlib version and the CPU), and registered as the custom calls ``jpaged_paged_decode``

@@ -3,12 +3,13 @@
 // pallas_kernels/cpu_decode.py).
 //
 // XLA's CPU code runs these as three or four passes over the [rows, vocab] logits (a max, an index
-// search as a reduce-window tree, the exp-sum); here each row is read twice while it sits in the
-// core's cache (once for the maximum, once for its first index and the exp-sum), and rows are
-// shared with XLA's intra-op thread pool.
+// search as a reduce-window tree, the exp-sum), each over the whole batch; here the passes over a
+// row (its maximum, the maximum's first index, the exp-sum) run while the row sits in the core's
+// cache, and rows are shared with XLA's intra-op thread pool.
 //
-// The results match jnp's: a row with a NaN gives index vocab - 1 and a NaN log-sum-exp; a row of
-// -inf gives index 0 and -inf.
+// The results match jnp's argmax and logsumexp: the first of equal maxima; a row of -inf gives
+// index 0 and -inf, one with +inf the first +inf and +inf. A row with a NaN gives index vocab - 1
+// and a NaN log-sum-exp.
 
 #include <algorithm>
 #include <cmath>
