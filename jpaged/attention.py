@@ -89,7 +89,7 @@ def attention_backend_of(model) -> str:
 
 def xla_paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale, **scales):
     """Decode rows through the C++ CPU kernel where it runs (float32 pages), the rest in jnp."""
-    decode = cpu_decode.paged_decode if cpu_decode.supports(q, k_pages, scales.get("k_scales")) else None
+    decode = cpu_decode.paged_decode if cpu_decode.supports(q, k_pages, k_scales=scales.get("k_scales")) else None
     return pallas_kernels.ragged_paged_attention_reference(
         q, k_pages, v_pages, md.block_tables, md.seq_lens, md.query_start_loc, md.num_seqs,
         scale=scale, decode_attention=decode, **scales)

@@ -487,9 +487,9 @@ class ModelRunner:
         Tokens go to a step bucket (`utils.step_bucket`: 2, 4, 8, 16, 24, 32, 48, 64, ...; at least
         `MIN_TOKENS`); the sequence count follows from it (as many rows as tokens, at most the
         ``max_num_seqs`` bucket unless the step has more sequences, as forking samples can), and on
-        the ``xla`` backend every block table has the columns of ``max_model_len``: its attention loops only over real
-        rows and blocks, so neither costs work, and a step's shapes depend on its token count
-        alone. The Pallas kernels keep block tables in scalar memory: there the columns are the
+        the ``xla`` backend every block table has the columns of ``max_model_len``: its attention
+        loops only over real rows and blocks, so neither costs work, and a step's shapes depend on
+        its token count alone. The Pallas kernels keep block tables in scalar memory: there the columns are the
         step's longest table's bucket.
         """
         t_pad = step_bucket(num_tokens, MIN_TOKENS)

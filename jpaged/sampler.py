@@ -151,8 +151,7 @@ def greedy_reductions(logits):
     """(`argmax`, log-sum-exp) of every row: on a CPU, in one C++ call (`cpu_decode.greedy`) that
     reads each row while it is in the cache, not XLA's several passes over the whole batch (a row
     with a NaN gives the last index there)."""
-    if (jax.default_backend() == "cpu" and logits.dtype == jnp.float32 and sharding.model_axis_size() == 1
-            and cpu_decode.available()):
+    if sharding.model_axis_size() == 1 and cpu_decode.supports(logits):
         return cpu_decode.greedy(logits)
     return argmax(logits), jax.nn.logsumexp(logits, axis=-1)
 

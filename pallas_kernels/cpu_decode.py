@@ -101,9 +101,9 @@ def available() -> bool:
     return True
 
 
-def supports(q, k_pages, k_scales=None) -> bool:
-    """Whether `paged_decode` can run these arrays: float32 pages without scales, on a CPU."""
-    return (k_scales is None and q.dtype == jnp.float32 and k_pages.dtype == jnp.float32
+def supports(*arrays, k_scales=None) -> bool:
+    """Whether the kernels can take these arrays: float32 (pages without scales), on a CPU."""
+    return (k_scales is None and all(x.dtype == jnp.float32 for x in arrays)
             and jax.default_backend() == "cpu" and available())
 
 
@@ -119,8 +119,8 @@ def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, n
 
 def greedy(logits):
     """float32 ``[S, V]`` -> (int32 ``[S]``: the index of each row's first maximum; float32 ``[S]``:
-    its log-sum-exp). A row with a NaN gives ``V - 1`` and NaN, as `jpaged.sampler.argmax` and
-    ``jax.nn.logsumexp`` do."""
+    its log-sum-exp). A row with a NaN gives ``V - 1`` and NaN (``jax.nn.logsumexp`` gives NaN too;
+    XLA's max may skip the NaN, so `jpaged.sampler.argmax` gives some index in range)."""
     if not available():
         raise RuntimeError("the C++ CPU kernels are not available (no C++ compiler, or they did not build)")
     rows = logits.shape[0]

@@ -48,6 +48,32 @@ inline void PrefetchBlock(const float* k, const float* v, int64_t bytes) {
   }
 }
 
+// One block of a query head's online softmax: turns the block's scores s[0, n) into
+// exp(s - the new running max), adds their sum to l and moves m to the new max; returns the factor
+// the head's accumulator is rescaled by (0 on the first block, where m is -inf).
+inline float SoftmaxBlock(float* s, int64_t n, float block_max, float& m, float& l) {
+  const float m_new = std::max(m, block_max);
+  const float correction = std::exp(m - m_new);
+  float row_sum = 0.f;
+#pragma omp simd reduction(+ : row_sum)
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = ExpNonPositive(s[t] - m_new);  // a masked score (-inf) gives 0
+    row_sum += s[t];
+  }
+  l = l * correction + row_sum;
+  m = m_new;
+  return correction;
+}
+
+// out = acc / l for each of the G query heads' D values (zeros where l is 0).
+inline void Normalize(const std::vector<float>& acc, const std::vector<float>& l, int64_t G, int64_t D,
+                      float* out) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = acc[g * D + d] * inv;
+  }
+}
+
 // q, out: [G, D]; k, v: one KV head's pages [NB, BS, D]; table: the sequence's blocks. Block by
 // block, each query head in turn scores the block's keys, updates its online softmax (one rescale
 // per block) and accumulates the block's values; the block stays in L1 for the G heads and the
@@ -73,16 +99,7 @@ void AttendRow(const float* q, const float* k, const float* v, const int32_t* ta
         s[t] = Dot(qg, kb + t * D, D) * scale;
         block_max = std::max(block_max, s[t]);
       }
-      const float m_new = std::max(m[g], block_max);
-      const float correction = std::exp(m[g] - m_new);  // 0 on the first block
-      float row_sum = 0.f;
-#pragma omp simd reduction(+ : row_sum)
-      for (int64_t t = 0; t < n; ++t) {
-        s[t] = ExpNonPositive(s[t] - m_new);
-        row_sum += s[t];
-      }
-      l[g] = l[g] * correction + row_sum;
-      m[g] = m_new;
+      const float correction = SoftmaxBlock(s.data(), n, block_max, m[g], l[g]);
       float a[kD > 0 ? kD : 1];
       float* ag = kD > 0 ? a : acc.data() + g * D;
       if (kD > 0) {
@@ -101,10 +118,7 @@ void AttendRow(const float* q, const float* k, const float* v, const int32_t* ta
       if (kD > 0) std::memcpy(acc.data() + g * D, a, sizeof(float) * D);
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-    for (int64_t d = 0; d < D; ++d) out[g * D + d] = acc[g * D + d] * inv;
-  }
+  Normalize(acc, l, G, D, out);
 }
 
 #ifdef __AVX512F__
@@ -156,17 +170,8 @@ void AttendRow16(const float* q, const float* k, const float* v, const int32_t* 
         dots[t] = dot;
       }
       const __m512 scores = _mm512_mask_blend_ps(valid, minus_inf, _mm512_mul_ps(SumLanes16(dots), _mm512_set1_ps(scale)));
-      const float m_new = std::max(m[g], _mm512_reduce_max_ps(scores));
-      const float correction = std::exp(m[g] - m_new);  // 0 on the first block
-      _mm512_store_ps(p, _mm512_sub_ps(scores, _mm512_set1_ps(m_new)));
-      float row_sum = 0.f;
-#pragma omp simd reduction(+ : row_sum)
-      for (int64_t t = 0; t < BS; ++t) {
-        p[t] = ExpNonPositive(p[t]);  // masked lanes: exp(-inf) = 0
-        row_sum += p[t];
-      }
-      l[g] = l[g] * correction + row_sum;
-      m[g] = m_new;
+      _mm512_store_ps(p, scores);
+      const float correction = SoftmaxBlock(p, BS, _mm512_reduce_max_ps(scores), m[g], l[g]);
       __m512 a[kChunks];
       for (int c = 0; c < kChunks; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(&acc[g * D + 16 * c]), _mm512_set1_ps(correction));
       for (int64_t t = 0; t < n; ++t) {
@@ -176,10 +181,7 @@ void AttendRow16(const float* q, const float* k, const float* v, const int32_t* 
       for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(&acc[g * D + 16 * c], a[c]);
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-    for (int64_t d = 0; d < D; ++d) out[g * D + d] = acc[g * D + d] * inv;
-  }
+  Normalize(acc, l, G, D, out);
 }
 #endif
 
