@@ -1,19 +1,25 @@
 """A decode step's C++ kernels for the CPU, as XLA FFI custom calls: paged decode attention
-(``cpu/paged_decode.cc``) and greedy sampling's reductions (``cpu/greedy.cc``).
+(``cpu/paged_decode.cc``), greedy sampling's reductions (``cpu/greedy.cc``) and the matmul of a few
+rows by a weight (``cpu/matmul.cc``).
 
 XLA's CPU code for the jnp paged attention spends most of a decode step copying gathered pages and
 running small batched matmuls; the C++ kernel reads each key and value row once, straight from the
 pool, with an online softmax per block, and shares (sequence, KV head) items with XLA's intra-op
 thread pool. XLA runs greedy sampling's argmax and log-sum-exp as several passes over the
-``[rows, vocab]`` logits; the C++ one makes its passes over a row while the row is in the cache. Both are
+``[rows, vocab]`` logits; the C++ one makes its passes over a row while the row is in the cache.
+XLA's GEMM copies a weight into its own layout before multiplying, which costs a decode step (a few rows,
+bound by reading the weights) 2-3x; the C++ matmul reads the weight where it lies. All are
 compiled on first use into one library with the system C++ compiler (``g++`` or ``c++``) against
 the FFI headers jaxlib ships, cached under ``~/.cache/jpaged/cpu_kernels`` (keyed by the sources,
-the flags, the jaxlib version and the CPU), and registered as the custom calls ``jpaged_paged_decode``
-and ``jpaged_greedy``. Without a compiler, `available()` is False and callers keep the jnp paths.
+the flags, the jaxlib version and the CPU), and registered as the custom calls
+``jpaged_paged_decode``, ``jpaged_greedy`` and ``jpaged_matmul``. Without a compiler, `available()`
+is False and callers keep the jnp paths.
 
 ``paged_decode(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, num_seqs, scale=)``
 attends every decode row (a sequence with one query token) and leaves zeros in every other row;
 float32 pages only. ``greedy(logits)`` gives each row's first maximum and log-sum-exp.
+``matmul(x, w)`` is float32 ``x [M, K] @ w [K, N]`` (`jpaged.models.layers.dot_general` uses it for
+up to 32 rows).
 """
 import ctypes
 import functools
@@ -30,9 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 
 CPU_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu")
-SOURCES = [os.path.join(CPU_DIR, name) for name in ("paged_decode.cc", "greedy.cc")]
+SOURCES = [os.path.join(CPU_DIR, name) for name in ("paged_decode.cc", "greedy.cc", "matmul.cc")]
 HEADERS = [os.path.join(CPU_DIR, "common.h")]
-TARGETS = {"jpaged_paged_decode": "JpagedPagedDecode", "jpaged_greedy": "JpagedGreedy"}  # name: symbol
+TARGETS = {"jpaged_paged_decode": "JpagedPagedDecode", "jpaged_greedy": "JpagedGreedy",
+           "jpaged_matmul": "JpagedMatmul"}  # name: symbol
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-ffast-math",
          "-fno-finite-math-only", "-std=c++17", "-shared", "-fPIC"]
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "cpu_kernels")
@@ -127,3 +134,11 @@ def greedy(logits):
     call = jax.ffi.ffi_call("jpaged_greedy", (jax.ShapeDtypeStruct((rows,), jnp.int32),
                                               jax.ShapeDtypeStruct((rows,), jnp.float32)))
     return call(logits.astype(jnp.float32))
+
+
+def matmul(x, w):
+    """float32 ``x [M, K] @ w [K, N]`` (``cpu/matmul.cc``: for few rows, the weight streamed once)."""
+    if not available():
+        raise RuntimeError("the C++ CPU kernels are not available (no C++ compiler, or they did not build)")
+    call = jax.ffi.ffi_call("jpaged_matmul", jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))
+    return call(x, w)

@@ -103,3 +103,32 @@ def test_greedy_sampling_through_the_kernel_equals_the_jnp_path(monkeypatch):
     without = jax.jit(sampler.sample)(logits, tensors)
     for a, b in zip(with_kernel, without):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 512, 768), (5, 7, 64), (6, 64, 130), (13, 100, 1000), (32, 300, 200),
+                                   (2, 33, 5)])
+def test_matmul_vs_numpy(m, k, n):
+    """Whole 64-column panels, a column tail, row blocks of 6 and their rest, K across chunks."""
+    rng = np.random.default_rng(m * n)
+    x, w = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
+    out = np.asarray(jax.jit(cpu_decode.matmul)(x, w))
+    np.testing.assert_allclose(out, x.astype(np.float64) @ w, rtol=1e-4, atol=1e-4 * np.sqrt(k))
+
+
+def test_linear_layers_use_the_matmul_for_few_rows_only():
+    """`layers.dot_general`: the C++ matmul for a decode step's rows, XLA's dot for a prompt's, and
+    for anything that is not a float32 [M, K] @ [K, N]; the same numbers either way."""
+    from jpaged.models import layers
+    dense = jax.lax.dot_general
+    dims = (((1,), (0,)), ((), ()))
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((64, 96)).astype(np.float32))
+    for rows, custom in [(1, True), (layers.SMALL_MATMUL_ROWS, True), (layers.SMALL_MATMUL_ROWS + 1, False)]:
+        x = jnp.asarray(rng.standard_normal((rows, 64)).astype(np.float32))
+        hlo = jax.jit(lambda x, w: layers.dot_general(x, w, dims)).lower(x, w).as_text()
+        assert ("jpaged_matmul" in hlo) == custom, rows
+        np.testing.assert_allclose(np.asarray(layers.dot_general(x, w, dims)), np.asarray(dense(x, w, dims)),
+                                   rtol=1e-5, atol=1e-5)
+    half = jax.jit(lambda x, w: layers.dot_general(x, w, dims)).lower(jnp.ones((4, 64), jnp.bfloat16),
+                                                                        w.astype(jnp.bfloat16)).as_text()
+    assert "jpaged_matmul" not in half

@@ -1,0 +1,136 @@
+// A matmul for few rows on the CPU: out[M, N] = x[M, K] @ w[K, N], float32, row-major; an XLA FFI
+// custom call (built and loaded by pallas_kernels/cpu_decode.py).
+//
+// A decode step multiplies a handful of rows by every weight matrix of the model: the weights are
+// read once per step and do not fit the cache, so the step is bound by memory, and a matmul that
+// first copies ("packs") the weight into its own layout, as a GEMM library does, reads and writes
+// it one more time. This one streams the weight straight from where it lies, in panels of 64
+// columns: kChunk rows of a panel at a time, each block of up to kRows rows keeps its 64 sums in
+// vector registers while the chunk goes by; the first block reads the chunk from memory (and
+// prefetches the next rows), the others find it in the L1 cache. Groups of neighbouring panels
+// are shared with XLA's intra-op thread pool (common.h).
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "xla/ffi/api/ffi.h"
+#include "common.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float Vec __attribute__((vector_size(64)));  // 16 floats: one AVX-512 register, or 2 AVX ones
+
+constexpr int64_t kVecs = 4;                  // vectors per panel
+constexpr int64_t kPanel = kVecs * 16;        // columns per panel
+constexpr int64_t kRows = 6;                  // rows per register block: 6 x 4 accumulators
+constexpr int64_t kPrefetchRows = 16;         // how many weight rows ahead to prefetch
+constexpr int64_t kItemPanels = 4;            // most panels per work item
+constexpr int64_t kChunk = 64;                // weight rows per pass of the row blocks (16 KB)
+
+inline Vec Load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
+
+// out[r, n0:n0+64] (+)= x[r, k0:k1] @ w[k0:k1, n0:n0+64] for the R rows from x / out (leading
+// dims ldx, ldo): the sums start from zero when k0 is 0, else from out.
+template <int R>
+void PanelRows(const float* x, int64_t ldx, const float* w, int64_t k0, int64_t k1, int64_t N, float* out,
+               int64_t ldo, bool prefetch) {
+  Vec acc[R][kVecs] = {};
+  if (k0 > 0) {
+    for (int r = 0; r < R; ++r) {
+      for (int64_t c = 0; c < kVecs; ++c) acc[r][c] = Load(out + r * ldo + 16 * c);
+    }
+  }
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* wk = w + k * N;
+    if (prefetch) {
+      for (int64_t c = 0; c < kVecs; ++c) __builtin_prefetch(wk + kPrefetchRows * N + 16 * c);
+    }
+    Vec wv[kVecs];
+    for (int64_t c = 0; c < kVecs; ++c) wv[c] = Load(wk + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const float xv = x[r * ldx + k];
+      for (int64_t c = 0; c < kVecs; ++c) acc[r][c] += xv * wv[c];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int64_t c = 0; c < kVecs; ++c) Store(out + r * ldo + 16 * c, acc[r][c]);
+  }
+}
+
+// Panels [p0, p1), every row, kChunk weight rows at a time: for each panel, blocks of kRows rows
+// and then the rest take the chunk in turn, the first streaming it in from memory (and
+// prefetching ahead) while the others find it in the L1 cache, so that memory keeps streaming
+// while they compute; neighbouring panels make each weight row a longer run of memory.
+void Panels(const float* x, const float* w, int64_t M, int64_t K, int64_t N, int64_t p0, int64_t p1, float* out) {
+  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+    const int64_t k1 = std::min(K, k0 + kChunk);
+    for (int64_t p = p0; p < p1; ++p) {
+      const float* wp = w + p * kPanel;
+      int64_t m = 0;
+      for (; m + kRows <= M; m += kRows) {
+        PanelRows<kRows>(x + m * K, K, wp, k0, k1, N, out + m * N + p * kPanel, N, m == 0 && k1 + kPrefetchRows <= K);
+      }
+      const float* xm = x + m * K;
+      float* om = out + m * N + p * kPanel;
+      const bool prefetch = m == 0 && k1 + kPrefetchRows <= K;
+      switch (M - m) {
+        case 5: PanelRows<5>(xm, K, wp, k0, k1, N, om, N, prefetch); break;
+        case 4: PanelRows<4>(xm, K, wp, k0, k1, N, om, N, prefetch); break;
+        case 3: PanelRows<3>(xm, K, wp, k0, k1, N, om, N, prefetch); break;
+        case 2: PanelRows<2>(xm, K, wp, k0, k1, N, om, N, prefetch); break;
+        case 1: PanelRows<1>(xm, K, wp, k0, k1, N, om, N, prefetch); break;
+        default: break;
+      }
+    }
+  }
+}
+
+// Columns past the last whole panel (N not a multiple of 64): one sum at a time.
+void Tail(const float* x, const float* w, int64_t M, int64_t K, int64_t N, int64_t n0, float* out) {
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t n = n0; n < N; ++n) {
+      float sum = 0.f;
+      for (int64_t k = 0; k < K; ++k) sum += x[m * K + k] * w[k * N + n];
+      out[m * N + n] = sum;
+    }
+  }
+}
+
+ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                      ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0]) {
+    return ffi::Error::InvalidArgument("jpaged_matmul: expected x [M, K] and w [K, N]");
+  }
+  const int64_t M = xd[0], K = xd[1], N = wd[1], panels = N / kPanel;
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data();
+  float* op = out->typed_data();
+  // Up to kItemPanels panels per work item, but at least 16 items where there are enough panels.
+  const int64_t per_item = std::max<int64_t>(1, std::min<int64_t>(kItemPanels, panels / 16));
+  const int64_t items = (panels + per_item - 1) / per_item;
+  jpaged::ParallelFor(pool, items + (N % kPanel != 0), [&](int64_t i) {
+    if (i < items) return Panels(xp, wp, M, K, N, i * per_item, std::min(panels, (i + 1) * per_item), op);
+    Tail(xp, wp, M, K, N, panels * kPanel, op);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedMatmul, MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out
