@@ -14,9 +14,11 @@ int8 / float8_e4m3fn pages and bfloat16 scales ``[num_kv_heads, num_blocks, bloc
 backend. The cache tuple alone says which: a layer needs no setting of its own.
 
 Backends:
-- ``xla``: `pallas_kernels.ragged_paged_attention_reference`, the package's one jnp paged
-  attention (the CPU default): decode rows and prefill chunks loop over their own blocks with an
-  online softmax, so the work tracks each sequence's real context. It needs no extra metadata.
+- ``xla`` (the CPU default): on a CPU with float32 pages, the C++ kernel
+  `pallas_kernels.cpu_kernels.paged_attention` (decode rows and 16-token prompt chunks, each reading
+  its own blocks); elsewhere `pallas_kernels.ragged_paged_attention_reference`, the package's one
+  jnp paged attention: decode rows and prefill chunks loop over their own blocks with an online
+  softmax. Either way the work tracks each sequence's real context, and no extra metadata is needed.
 - ``pallas``: the Pallas kernels over the flat token batch (TPU/GPU; interpret mode elsewhere): the
   decode kernel `pallas_kernels.paged_attention` when every row of the step has one query
   (``decode_only``), the ragged kernel otherwise.
@@ -31,7 +33,7 @@ from flax import nnx
 
 import pallas_kernels
 from jpaged import sharding
-from pallas_kernels import cpu_decode
+from pallas_kernels import cpu_kernels
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -88,11 +90,12 @@ def attention_backend_of(model) -> str:
 
 
 def xla_paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale, **scales):
-    """Decode rows through the C++ CPU kernel where it runs (float32 pages), the rest in jnp."""
-    decode = cpu_decode.paged_decode if cpu_decode.supports(q, k_pages, k_scales=scales.get("k_scales")) else None
+    """The C++ CPU kernel where it runs (float32 pages), else the jnp loops."""
+    if cpu_kernels.supports(q, k_pages, k_scales=scales.get("k_scales")):
+        return cpu_kernels.paged_attention(q, k_pages, v_pages, md.block_tables, md.seq_lens, md.query_start_loc,
+                                          md.num_seqs, scale=scale).astype(q.dtype)
     return pallas_kernels.ragged_paged_attention_reference(
-        q, k_pages, v_pages, md.block_tables, md.seq_lens, md.query_start_loc, md.num_seqs,
-        scale=scale, decode_attention=decode, **scales)
+        q, k_pages, v_pages, md.block_tables, md.seq_lens, md.query_start_loc, md.num_seqs, scale=scale, **scales)
 
 
 def _interpret() -> bool:

@@ -154,7 +154,7 @@ def ragged_attention(q, k_pages, v_pages, block_tables, seq_lens,
   seq_lens = seq_lens.astype(jnp.int32)
   tables = block_tables.astype(jnp.int32)
   q_len = jnp.where(real, qsl[1:] - qsl[:-1], 0)
-  if decode_attention is not None:  # e.g. cpu_decode.paged_decode
+  if decode_attention is not None:  # e.g. cpu_kernels.paged_decode
     out = decode_attention(q, k_pages, v_pages, tables, seq_lens, qsl, num_seqs,
                            scale=scale).astype(jnp.float32)
   else:  # one chunk of width 1 per sequence with one query, longest first
@@ -264,7 +264,7 @@ def ragged_paged_attention_reference(
       8-bit pages (``quant.py``), else None.
     decode_attention: None (the jnp loops), or a function with this
       function's leading arguments and ``scale=`` that returns every decode
-      row's attention and zeros elsewhere (``cpu_decode.paged_decode``).
+      row's attention and zeros elsewhere (``cpu_kernels.paged_decode``).
     backend, interpret: ignored (kernel knobs).
 
   Returns:

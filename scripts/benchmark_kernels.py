@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
-from pallas_kernels import cpu_decode
+from pallas_kernels import cpu_kernels
 
 _MODE = flags.DEFINE_enum("mode", "steps", ["steps", "dense"],
                           "Engine-like steps (old vs new xla path) or paged vs dense decode.")
@@ -224,12 +224,12 @@ def run_steps():
   new_fn = jax.jit(functools.partial(pk.ragged_paged_attention_reference,
                                      scale=scale))
   old_fn = jax.jit(functools.partial(padded_gather_attention, scale=scale))
-  cpp = cpu_decode.available() and jax.default_backend() == "cpu"
+  cpp = cpu_kernels.available() and jax.default_backend() == "cpu"
   cpp_fn = jax.jit(functools.partial(pk.ragged_paged_attention_reference, scale=scale,
-                                     decode_attention=cpu_decode.paged_decode)) if cpp else None
+                                     decode_attention=cpu_kernels.paged_decode)) if cpp else None
   print(f"platform={jax.default_backend()} one layer: {hkv} kv heads x {group}, "
         f"head_dim {d}, block {bs}, float32; median of {_NUM_RUNS.value}; cpp_ms: the new path with "
-        f"its decode rows in the C++ kernel (pallas_kernels/cpu_decode.py)")
+        f"its decode rows in the C++ kernel (pallas_kernels/cpu_kernels.py)")
   print(f"{'case':<38} {'old_ms':>8} {'new_ms':>8} {'speed-up':>8} {'cpp_ms':>8} "
         f"{'KV MB att/old/new':>20} {'MFLOP att/old/new':>20} {'max_diff':>9}")
   for name, seqs in STEP_CASES.items():

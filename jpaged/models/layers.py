@@ -9,7 +9,7 @@ from flax import nnx
 
 from jpaged import sharding
 from jpaged.models.model_config import ModelConfig
-from pallas_kernels import cpu_decode
+from pallas_kernels import cpu_kernels
 
 ACTIVATIONS = {
     "relu": jax.nn.relu,
@@ -66,14 +66,14 @@ SMALL_MATMUL_ROWS = 32  # up to this many rows, a CPU float32 matmul runs the C+
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
     """`jax.lax.dot_general` for the `linear` layers, except that a float32 ``[M, K] @ [K, N]`` with
     at most `SMALL_MATMUL_ROWS` rows on the CPU without tensor parallelism (a decode step, or the
-    logits of a step's sampled rows) runs `pallas_kernels.cpu_decode.matmul`: it reads the weight
+    logits of a step's sampled rows) runs `pallas_kernels.cpu_kernels.matmul`: it reads the weight
     once, where XLA's GEMM copies it into its own layout first (2-3x slower at these sizes)."""
     ((lhs_contract, rhs_contract), batch) = dimension_numbers
     if (lhs.ndim == 2 and rhs.ndim == 2 and lhs_contract == (1,) and rhs_contract == (0,) and batch == ((), ())
             and lhs.shape[0] <= SMALL_MATMUL_ROWS and preferred_element_type in (None, jnp.float32)
             and kwargs.get("out_sharding") is None and sharding.model_axis_size() == 1
-            and cpu_decode.supports(lhs, rhs)):
-        return cpu_decode.matmul(lhs, rhs)
+            and cpu_kernels.supports(lhs, rhs)):
+        return cpu_kernels.matmul(lhs, rhs)
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                preferred_element_type=preferred_element_type, **kwargs)
 

@@ -1,6 +1,6 @@
 // Greedy sampling's reductions for the CPU in one call: per row of float32 logits, the index of
-// the first maximum and the log-sum-exp (an XLA FFI custom call, built with paged_decode.cc by
-// pallas_kernels/cpu_decode.py).
+// the first maximum and the log-sum-exp (an XLA FFI custom call, built with paged_attention.cc by
+// pallas_kernels/cpu_kernels.py).
 //
 // XLA's CPU code runs these as three or four passes over the [rows, vocab] logits (a max, an index
 // search as a reduce-window tree, the exp-sum), each over the whole batch; here the passes over a

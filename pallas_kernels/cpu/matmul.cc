@@ -1,5 +1,5 @@
 // A matmul for few rows on the CPU: out[M, N] = x[M, K] @ w[K, N], float32, row-major; an XLA FFI
-// custom call (built and loaded by pallas_kernels/cpu_decode.py).
+// custom call (built and loaded by pallas_kernels/cpu_kernels.py).
 //
 // A decode step multiplies a handful of rows by every weight matrix of the model: the weights are
 // read once per step and do not fit the cache, so the step is bound by memory, and a matmul that

@@ -1,5 +1,5 @@
-"""The C++ CPU decode kernel (pallas_kernels/cpu/paged_decode.cc, an XLA FFI custom call) against
-the numpy loops, alone and as the decode part of the xla backend's ragged attention."""
+"""The C++ CPU kernels (pallas_kernels/cpu/, XLA FFI custom calls) against numpy and the jnp paths:
+paged attention (decode rows, prompt chunks), greedy sampling's reductions, the small matmul."""
 import os
 
 import jax
@@ -7,18 +7,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import cpu_decode
+from pallas_kernels import cpu_kernels
 from test_kernels import Case, as_np, check, check_ragged_reference, decode_case, np_ragged
 
-pytestmark = pytest.mark.skipif(cpu_decode._compiler() is None, reason="no C++ compiler on this machine")
+pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None, reason="no C++ compiler on this machine")
 
 
 def test_kernel_builds_into_its_cache_and_registers(tmp_path, monkeypatch):
-    monkeypatch.setattr(cpu_decode, "CACHE_DIR", str(tmp_path))
-    path = cpu_decode._build(cpu_decode._compiler())
+    monkeypatch.setattr(cpu_kernels, "CACHE_DIR", str(tmp_path))
+    path = cpu_kernels._build(cpu_kernels._compiler())
     assert os.path.dirname(path) == str(tmp_path) and os.path.getsize(path) > 0
-    assert cpu_decode._build(cpu_decode._compiler()) == path  # a second call reuses the file
-    assert cpu_decode.available()
+    assert cpu_kernels._build(cpu_kernels._compiler()) == path  # a second call reuses the file
+    assert cpu_kernels.available()
 
 
 @pytest.mark.parametrize("case", [
@@ -30,7 +30,7 @@ def test_kernel_builds_into_its_cache_and_registers(tmp_path, monkeypatch):
 def test_decode_rows_vs_numpy_and_zeros_elsewhere(case):
     args, kw = case.build()
     q, k, v, bt, sl, qsl, ns = args
-    out = np.asarray(jax.jit(lambda *a: cpu_decode.paged_decode(*a, scale=kw["scale"]))(*args))
+    out = np.asarray(jax.jit(lambda *a: cpu_kernels.paged_decode(*a, scale=kw["scale"]))(*args))
     expected = np_ragged(as_np(q), as_np(k), as_np(v), np.asarray(bt), np.asarray(sl), np.asarray(qsl),
                          int(ns[0]), kw["scale"])
     decode_rows = [int(qsl[s]) for s in range(int(ns[0])) if qsl[s + 1] - qsl[s] == 1 and sl[s] > 0]
@@ -39,18 +39,45 @@ def test_decode_rows_vs_numpy_and_zeros_elsewhere(case):
     assert not out[others].any()
 
 
+@pytest.mark.parametrize("case", [
+    Case(seqs=[(40, 40), (1, 70), (23, 60), (1, 3), (16, 16), (17, 50), (2, 18)], max_seqs=9, extra_tokens=5),
+    Case(seqs=[(33, 100), (1, 16), (5, 5)], group=2, head_dim=128),
+    Case(seqs=[(19, 19), (1, 9), (6, 31)], group=3, num_kv_heads=1),
+    Case(seqs=[(30, 45), (1, 12), (9, 9)], block_size=8, head_dim=32, group=1, num_kv_heads=3),
+], ids=["g4_d64", "g2_d128", "g3_padded_rows", "generic_bs8_d32"])
+def test_every_row_vs_numpy_prompt_chunks_with_context(case):
+    """Prompts cut into 16-token chunks (a last partial one), after earlier context and alone, next
+    to decode rows; the fast paths (blocks of 16, heads of 64 or 128, row blocks of 4 or 2 that a
+    group of 3 does not fill) and the generic one; padding rows stay zero."""
+    args, kw = case.build()
+    q, k, v, bt, sl, qsl, ns = args
+    out = np.asarray(jax.jit(lambda *a: cpu_kernels.paged_attention(*a, scale=kw["scale"]))(*args))
+    expected = np_ragged(as_np(q), as_np(k), as_np(v), np.asarray(bt), np.asarray(sl), np.asarray(qsl),
+                         int(ns[0]), kw["scale"])
+    real = int(qsl[int(ns[0])])
+    check(out[:real], expected[:real], jnp.float32)
+    assert not out[real:].any()
+
+
+def test_more_query_tokens_than_context_is_an_error():
+    args, kw = Case(seqs=[(8, 8), (1, 5)]).build()
+    q, k, v, bt, sl, qsl, ns = args
+    with pytest.raises(Exception, match="query tokens outside the batch or the context"):
+        jax.block_until_ready(cpu_kernels.paged_attention(q, k, v, bt, sl.at[0].set(4), qsl, ns, scale=kw["scale"]))
+
+
 def test_ragged_attention_with_the_kernel_for_decode_rows_vs_numpy():
     case = Case(seqs=[(1, 70), (23, 40), (1, 3), (7, 7), (1, 33), (2, 18), (1, 129)], block_size=8,
                 max_seqs=9, extra_tokens=2)
-    check_ragged_reference(case, decode_attention=cpu_decode.paged_decode)
+    check_ragged_reference(case, decode_attention=cpu_kernels.paged_decode)
 
 
 def test_used_for_float32_pages_only():
     q = jnp.zeros((2, 4, 8), jnp.float32)
     pages = jnp.zeros((1, 4, 8, 8), jnp.float32)
-    assert cpu_decode.supports(q, pages)
-    assert not cpu_decode.supports(q.astype(jnp.bfloat16), pages.astype(jnp.bfloat16))
-    assert not cpu_decode.supports(q, pages.astype(jnp.int8), k_scales=jnp.ones((1, 4, 8), jnp.bfloat16))
+    assert cpu_kernels.supports(q, pages)
+    assert not cpu_kernels.supports(q.astype(jnp.bfloat16), pages.astype(jnp.bfloat16))
+    assert not cpu_kernels.supports(q, pages.astype(jnp.int8), k_scales=jnp.ones((1, 4, 8), jnp.bfloat16))
 
 
 def test_a_block_id_outside_the_pool_is_an_error():
@@ -58,17 +85,17 @@ def test_a_block_id_outside_the_pool_is_an_error():
     q, k, v, bt, sl, qsl, ns = args
     bad = bt.at[0, 1].set(k.shape[1])
     with pytest.raises(Exception, match="block id out of the pool"):
-        jax.block_until_ready(cpu_decode.paged_decode(q, k, v, bad, sl, qsl, ns, scale=kw["scale"]))
+        jax.block_until_ready(cpu_kernels.paged_decode(q, k, v, bad, sl, qsl, ns, scale=kw["scale"]))
 
 
 def test_without_a_compiler_the_jnp_path_serves(monkeypatch):
-    monkeypatch.setattr(cpu_decode, "_compiler", lambda: None)
-    cpu_decode.available.cache_clear()
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: None)
+    cpu_kernels.available.cache_clear()
     try:
-        assert not cpu_decode.available()
-        assert not cpu_decode.supports(jnp.zeros((2, 4, 8)), jnp.zeros((1, 4, 8, 8)))
+        assert not cpu_kernels.available()
+        assert not cpu_kernels.supports(jnp.zeros((2, 4, 8)), jnp.zeros((1, 4, 8, 8)))
     finally:
-        cpu_decode.available.cache_clear()  # the next caller builds (or finds) it again
+        cpu_kernels.available.cache_clear()  # the next caller builds (or finds) it again
 
 
 def test_greedy_matches_argmax_and_logsumexp_with_ties_nan_and_infinities():
@@ -81,7 +108,7 @@ def test_greedy_matches_argmax_and_logsumexp_with_ties_nan_and_infinities():
     logits[4] = -np.inf
     logits[5, 3] = np.inf
     logits[6, :10] = -np.inf  # masked tokens among finite ones
-    tokens, lse = jax.jit(cpu_decode.greedy)(jnp.asarray(logits))
+    tokens, lse = jax.jit(cpu_kernels.greedy)(jnp.asarray(logits))
     expected_tokens = np.asarray(argmax(jnp.asarray(logits)))
     expected_lse = np.asarray(jax.nn.logsumexp(jnp.asarray(logits), axis=-1))
     tokens, lse = np.asarray(tokens), np.asarray(lse)
@@ -99,7 +126,7 @@ def test_greedy_sampling_through_the_kernel_equals_the_jnp_path(monkeypatch):
     tensors = build_sampling_tensors([], 6, 0)
     tensors.all_greedy, tensors.num_logprobs = True, 3
     with_kernel = jax.jit(sampler.sample)(logits, tensors)
-    monkeypatch.setattr(cpu_decode, "available", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     without = jax.jit(sampler.sample)(logits, tensors)
     for a, b in zip(with_kernel, without):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
@@ -111,7 +138,7 @@ def test_matmul_vs_numpy(m, k, n):
     """Whole 64-column panels, a column tail, row blocks of 6 and their rest, K across chunks."""
     rng = np.random.default_rng(m * n)
     x, w = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
-    out = np.asarray(jax.jit(cpu_decode.matmul)(x, w))
+    out = np.asarray(jax.jit(cpu_kernels.matmul)(x, w))
     np.testing.assert_allclose(out, x.astype(np.float64) @ w, rtol=1e-4, atol=1e-4 * np.sqrt(k))
 
 

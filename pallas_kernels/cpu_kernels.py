@@ -1,25 +1,26 @@
-"""A decode step's C++ kernels for the CPU, as XLA FFI custom calls: paged decode attention
-(``cpu/paged_decode.cc``), greedy sampling's reductions (``cpu/greedy.cc``) and the matmul of a few
-rows by a weight (``cpu/matmul.cc``).
+"""The C++ kernels for the CPU, as XLA FFI custom calls: paged attention for decode rows and
+prompt chunks (``cpu/paged_attention.cc``), greedy sampling's reductions (``cpu/greedy.cc``) and
+the matmul of a few rows by a weight (``cpu/matmul.cc``).
 
-XLA's CPU code for the jnp paged attention spends most of a decode step copying gathered pages and
-running small batched matmuls; the C++ kernel reads each key and value row once, straight from the
-pool, with an online softmax per block, and shares (sequence, KV head) items with XLA's intra-op
-thread pool. XLA runs greedy sampling's argmax and log-sum-exp as several passes over the
-``[rows, vocab]`` logits; the C++ one makes its passes over a row while the row is in the cache.
-XLA's GEMM copies a weight into its own layout before multiplying, which costs a decode step (a few rows,
-bound by reading the weights) 2-3x; the C++ matmul reads the weight where it lies. All are
+XLA's CPU code for the jnp paged attention spends most of a step copying gathered pages and running
+small batched matmuls; the C++ kernel reads each key and value row straight from the pool, with an
+online softmax per block: one (sequence, KV head) per work item for a decode row, one (16-token
+chunk, KV head) for a prompt, whose tokens share each key block. XLA runs greedy sampling's argmax
+and log-sum-exp as several passes over the ``[rows, vocab]`` logits; the C++ one makes its passes
+over a row while the row is in the cache. XLA's GEMM copies a weight into its own layout before
+multiplying, which costs a decode step (a few rows, bound by reading the weights) 2-3x; the C++
+matmul reads the weight where it lies. Work items go to XLA's intra-op thread pool. All are
 compiled on first use into one library with the system C++ compiler (``g++`` or ``c++``) against
 the FFI headers jaxlib ships, cached under ``~/.cache/jpaged/cpu_kernels`` (keyed by the sources,
 the flags, the jaxlib version and the CPU), and registered as the custom calls
-``jpaged_paged_decode``, ``jpaged_greedy`` and ``jpaged_matmul``. Without a compiler, `available()`
-is False and callers keep the jnp paths.
+``jpaged_paged_attention``, ``jpaged_greedy`` and ``jpaged_matmul``. Without a compiler,
+`available()` is False and callers keep the jnp paths.
 
-``paged_decode(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, num_seqs, scale=)``
-attends every decode row (a sequence with one query token) and leaves zeros in every other row;
-float32 pages only. ``greedy(logits)`` gives each row's first maximum and log-sum-exp.
-``matmul(x, w)`` is float32 ``x [M, K] @ w [K, N]`` (`jpaged.models.layers.dot_general` uses it for
-up to 32 rows).
+``paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, num_seqs, scale=)``
+attends every row of a ragged batch (`jpaged.attention`'s ``xla`` backend on a CPU);
+``paged_decode`` only its decode rows (zeros elsewhere). Float32 pages only. ``greedy(logits)``
+gives each row's first maximum and log-sum-exp. ``matmul(x, w)`` is float32 ``x [M, K] @ w [K, N]``
+(`jpaged.models.layers.dot_general` uses it for up to 32 rows).
 """
 import ctypes
 import functools
@@ -36,9 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 
 CPU_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu")
-SOURCES = [os.path.join(CPU_DIR, name) for name in ("paged_decode.cc", "greedy.cc", "matmul.cc")]
+SOURCES = [os.path.join(CPU_DIR, name) for name in ("paged_attention.cc", "greedy.cc", "matmul.cc")]
 HEADERS = [os.path.join(CPU_DIR, "common.h")]
-TARGETS = {"jpaged_paged_decode": "JpagedPagedDecode", "jpaged_greedy": "JpagedGreedy",
+TARGETS = {"jpaged_paged_attention": "JpagedPagedAttention", "jpaged_greedy": "JpagedGreedy",
            "jpaged_matmul": "JpagedMatmul"}  # name: symbol
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-ffast-math",
          "-fno-finite-math-only", "-std=c++17", "-shared", "-fPIC"]
@@ -92,8 +93,8 @@ def _register(path: str) -> None:
 @functools.cache
 def available() -> bool:
     """Builds (once) and registers the kernels; False, with one log line, where that fails, and
-    where ``JPAGED_CPU_DECODE=0`` turns them off (to compare with the jnp paths)."""
-    if os.environ.get("JPAGED_CPU_DECODE") == "0":
+    where ``JPAGED_CPU_KERNELS=0`` turns them off (to compare with the jnp paths)."""
+    if os.environ.get("JPAGED_CPU_KERNELS") == "0":
         return False
     compiler = _compiler()
     if compiler is None:
@@ -114,14 +115,21 @@ def supports(*arrays, k_scales=None) -> bool:
             and jax.default_backend() == "cpu" and available())
 
 
-def paged_decode(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, num_seqs, *, scale):
-    """float32 ``[T, Hq, D]``: the attention of every decode row, zeros elsewhere."""
+def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, num_seqs, *, scale,
+                    prefill=True):
+    """float32 ``[T, Hq, D]``: the attention of every row (decode rows, and prompt chunks of 16
+    tokens that attend causally); padding rows are zeros. ``prefill=False``: decode rows only, zeros
+    in every other row."""
     if not available():
-        raise RuntimeError("the C++ CPU decode kernel is not available (no C++ compiler, or it did not build)")
-    call = jax.ffi.ffi_call("jpaged_paged_decode", jax.ShapeDtypeStruct(q.shape, jnp.float32))
+        raise RuntimeError("the C++ CPU attention kernel is not available (no C++ compiler, or it did not build)")
+    call = jax.ffi.ffi_call("jpaged_paged_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     return call(q, k_pages, v_pages, i32(block_tables), i32(seq_lens), i32(query_start_loc),
-                i32(num_seqs).reshape(()), scale=np.float32(scale))
+                i32(num_seqs).reshape(()), scale=np.float32(scale), prefill=np.int32(prefill))
+
+
+paged_decode = functools.partial(paged_attention, prefill=False)
+paged_decode.__doc__ = "`paged_attention` of the decode rows only (zeros in every other row)."
 
 
 def greedy(logits):
