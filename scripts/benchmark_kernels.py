@@ -225,11 +225,10 @@ def run_steps():
                                      scale=scale))
   old_fn = jax.jit(functools.partial(padded_gather_attention, scale=scale))
   cpp = cpu_kernels.available() and jax.default_backend() == "cpu"
-  cpp_fn = jax.jit(functools.partial(pk.ragged_paged_attention_reference, scale=scale,
-                                     decode_attention=cpu_kernels.paged_decode)) if cpp else None
+  cpp_fn = jax.jit(functools.partial(cpu_kernels.paged_attention, scale=scale)) if cpp else None
   print(f"platform={jax.default_backend()} one layer: {hkv} kv heads x {group}, "
-        f"head_dim {d}, block {bs}, float32; median of {_NUM_RUNS.value}; cpp_ms: the new path with "
-        f"its decode rows in the C++ kernel (pallas_kernels/cpu_kernels.py)")
+        f"head_dim {d}, block {bs}, float32; median of {_NUM_RUNS.value}; cpp_ms: the C++ kernel "
+        f"(pallas_kernels/cpu_kernels.py), every row")
   print(f"{'case':<38} {'old_ms':>8} {'new_ms':>8} {'speed-up':>8} {'cpp_ms':>8} "
         f"{'KV MB att/old/new':>20} {'MFLOP att/old/new':>20} {'max_diff':>9}")
   for name, seqs in STEP_CASES.items():

@@ -4,11 +4,12 @@
 // A decode step multiplies a handful of rows by every weight matrix of the model: the weights are
 // read once per step and do not fit the cache, so the step is bound by memory, and a matmul that
 // first copies ("packs") the weight into its own layout, as a GEMM library does, reads and writes
-// it one more time. This one streams the weight straight from where it lies, in panels of 64
-// columns: kChunk rows of a panel at a time, each block of up to kRows rows keeps its 64 sums in
-// vector registers while the chunk goes by; the first block reads the chunk from memory (and
-// prefetches the next rows), the others find it in the L1 cache. Groups of neighbouring panels
-// are shared with XLA's intra-op thread pool (common.h).
+// it one more time. This one streams the weight straight from where it lies, in panels of kPanel
+// columns (64 with AVX-512): kChunk rows of a panel at a time, each block of up to kRows rows
+// keeps its sums in vector registers while the chunk goes by; the first block reads the chunk
+// from memory (and prefetches the next rows), the others find it in the L1 cache. Runs of up to
+// kItemPanels neighbouring panels (long runs of each weight row: memory streams better) are
+// shared with XLA's intra-op thread pool (common.h).
 
 #include <algorithm>
 #include <cstdint>
@@ -23,12 +24,16 @@ namespace {
 
 typedef float Vec __attribute__((vector_size(64)));  // 16 floats: one AVX-512 register, or 2 AVX ones
 
-constexpr int64_t kVecs = 4;                  // vectors per panel
+#ifdef __AVX512F__
+constexpr int64_t kVecs = 4;                  // vectors per panel: 16 accumulators in 32 registers
+#else
+constexpr int64_t kVecs = 1;                  // (AVX2: a vector is 2 of its 16 registers)
+#endif
 constexpr int64_t kPanel = kVecs * 16;        // columns per panel
-constexpr int64_t kRows = 6;                  // rows per register block: 6 x 4 accumulators
+constexpr int64_t kRows = 4;                  // rows per register block: kRows x kVecs accumulators
 constexpr int64_t kPrefetchRows = 16;         // how many weight rows ahead to prefetch
-constexpr int64_t kItemPanels = 4;            // most panels per work item
-constexpr int64_t kChunk = 64;                // weight rows per pass of the row blocks (16 KB)
+constexpr int64_t kItemPanels = 32;           // most panels per work item (longer runs of each weight row)
+constexpr int64_t kChunk = 64;                // weight rows per pass of the row blocks (16 KB of a panel)
 
 inline Vec Load(const float* p) {
   Vec v;
@@ -38,7 +43,7 @@ inline Vec Load(const float* p) {
 
 inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
 
-// out[r, n0:n0+64] (+)= x[r, k0:k1] @ w[k0:k1, n0:n0+64] for the R rows from x / out (leading
+// out[r, n0:n0+kPanel] (+)= x[r, k0:k1] @ w[k0:k1, n0:n0+kPanel] for the R rows from x / out (leading
 // dims ldx, ldo): the sums start from zero when k0 is 0, else from out.
 template <int R>
 void PanelRows(const float* x, int64_t ldx, const float* w, int64_t k0, int64_t k1, int64_t N, float* out,
@@ -83,8 +88,6 @@ void Panels(const float* x, const float* w, int64_t M, int64_t K, int64_t N, int
       float* om = out + m * N + p * kPanel;
       const bool prefetch = m == 0 && k1 + kPrefetchRows <= K;
       switch (M - m) {
-        case 5: PanelRows<5>(xm, K, wp, k0, k1, N, om, N, prefetch); break;
-        case 4: PanelRows<4>(xm, K, wp, k0, k1, N, om, N, prefetch); break;
         case 3: PanelRows<3>(xm, K, wp, k0, k1, N, om, N, prefetch); break;
         case 2: PanelRows<2>(xm, K, wp, k0, k1, N, om, N, prefetch); break;
         case 1: PanelRows<1>(xm, K, wp, k0, k1, N, om, N, prefetch); break;
@@ -94,7 +97,7 @@ void Panels(const float* x, const float* w, int64_t M, int64_t K, int64_t N, int
   }
 }
 
-// Columns past the last whole panel (N not a multiple of 64): one sum at a time.
+// Columns past the last whole panel (N not a multiple of kPanel): one sum at a time.
 void Tail(const float* x, const float* w, int64_t M, int64_t K, int64_t N, int64_t n0, float* out) {
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t n = n0; n < N; ++n) {
