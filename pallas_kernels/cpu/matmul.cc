@@ -5,11 +5,12 @@
 // read once per step and do not fit the cache, so the step is bound by memory, and a matmul that
 // first copies ("packs") the weight into its own layout, as a GEMM library does, reads and writes
 // it one more time. This one streams the weight straight from where it lies, in panels of kPanel
-// columns (64 with AVX-512): kChunk rows of a panel at a time, each block of up to kRows rows
-// keeps its sums in vector registers while the chunk goes by; the first block reads the chunk
-// from memory (and prefetches the next rows), the others find it in the L1 cache. Runs of up to
-// kItemPanels neighbouring panels (long runs of each weight row: memory streams better) are
-// shared with XLA's intra-op thread pool (common.h).
+// columns (64 with AVX-512), piece by piece (kChunk rows of a panel): each block of up to kRows
+// rows keeps its sums in vector registers while the piece goes by, the first block bringing the
+// piece into the L1 cache for the others, and prefetching the next piece into L2 meanwhile, so
+// that memory keeps streaming while the blocks compute. Runs of up to kItemPanels neighbouring
+// panels (long runs of each weight row: memory streams better) are shared with XLA's intra-op
+// thread pool (common.h).
 
 #include <algorithm>
 #include <cstdint>
@@ -31,7 +32,6 @@ constexpr int64_t kVecs = 1;                  // (AVX2: a vector is 2 of its 16 
 #endif
 constexpr int64_t kPanel = kVecs * 16;        // columns per panel
 constexpr int64_t kRows = 4;                  // rows per register block: kRows x kVecs accumulators
-constexpr int64_t kPrefetchRows = 16;         // how many weight rows ahead to prefetch
 constexpr int64_t kItemPanels = 32;           // most panels per work item (longer runs of each weight row)
 constexpr int64_t kChunk = 64;                // weight rows per pass of the row blocks (16 KB of a panel)
 
@@ -43,11 +43,13 @@ inline Vec Load(const float* p) {
 
 inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
 
-// out[r, n0:n0+kPanel] (+)= x[r, k0:k1] @ w[k0:k1, n0:n0+kPanel] for the R rows from x / out (leading
-// dims ldx, ldo): the sums start from zero when k0 is 0, else from out.
+// out[r, :kPanel] (+)= x[r, k0:k1] @ w[k0:k1, :kPanel] for the R rows from x / out (leading dims
+// ldx, ldo; w at the panel's first column, leading dim N): the sums start from zero when k0 is 0,
+// else from out. With `next` (the next piece: next_rows weight rows), each step also prefetches
+// one of its rows into L2.
 template <int R>
 void PanelRows(const float* x, int64_t ldx, const float* w, int64_t k0, int64_t k1, int64_t N, float* out,
-               int64_t ldo, bool prefetch) {
+               int64_t ldo, const float* next, int64_t next_rows) {
   Vec acc[R][kVecs] = {};
   if (k0 > 0) {
     for (int r = 0; r < R; ++r) {
@@ -56,8 +58,8 @@ void PanelRows(const float* x, int64_t ldx, const float* w, int64_t k0, int64_t 
   }
   for (int64_t k = k0; k < k1; ++k) {
     const float* wk = w + k * N;
-    if (prefetch) {
-      for (int64_t c = 0; c < kVecs; ++c) __builtin_prefetch(wk + kPrefetchRows * N + 16 * c);
+    if (next != nullptr && k - k0 < next_rows) {
+      for (int64_t c = 0; c < kVecs; ++c) __builtin_prefetch(next + (k - k0) * N + 16 * c, 0, 1);
     }
     Vec wv[kVecs];
     for (int64_t c = 0; c < kVecs; ++c) wv[c] = Load(wk + 16 * c);
@@ -71,26 +73,29 @@ void PanelRows(const float* x, int64_t ldx, const float* w, int64_t k0, int64_t 
   }
 }
 
-// Panels [p0, p1), every row, kChunk weight rows at a time: for each panel, blocks of kRows rows
-// and then the rest take the chunk in turn, the first streaming it in from memory (and
-// prefetching ahead) while the others find it in the L1 cache, so that memory keeps streaming
-// while they compute; neighbouring panels make each weight row a longer run of memory.
+// Panels [p0, p1) for every row, piece by piece: a k range of kChunk rows across the panels, then
+// the next.
 void Panels(const float* x, const float* w, int64_t M, int64_t K, int64_t N, int64_t p0, int64_t p1, float* out) {
   for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
     const int64_t k1 = std::min(K, k0 + kChunk);
     for (int64_t p = p0; p < p1; ++p) {
+      const bool last_panel = p + 1 == p1;
+      const int64_t next_k0 = last_panel ? k1 : k0;
+      const int64_t next_rows = std::min(K, next_k0 + kChunk) - next_k0;
+      const float* next = next_rows > 0 ? w + next_k0 * N + (last_panel ? p0 : p + 1) * kPanel : nullptr;
       const float* wp = w + p * kPanel;
       int64_t m = 0;
       for (; m + kRows <= M; m += kRows) {
-        PanelRows<kRows>(x + m * K, K, wp, k0, k1, N, out + m * N + p * kPanel, N, m == 0 && k1 + kPrefetchRows <= K);
+        PanelRows<kRows>(x + m * K, K, wp, k0, k1, N, out + m * N + p * kPanel, N, m == 0 ? next : nullptr,
+                         next_rows);
       }
       const float* xm = x + m * K;
       float* om = out + m * N + p * kPanel;
-      const bool prefetch = m == 0 && k1 + kPrefetchRows <= K;
+      const float* prefetch = m == 0 ? next : nullptr;
       switch (M - m) {
-        case 3: PanelRows<3>(xm, K, wp, k0, k1, N, om, N, prefetch); break;
-        case 2: PanelRows<2>(xm, K, wp, k0, k1, N, om, N, prefetch); break;
-        case 1: PanelRows<1>(xm, K, wp, k0, k1, N, om, N, prefetch); break;
+        case 3: PanelRows<3>(xm, K, wp, k0, k1, N, om, N, prefetch, next_rows); break;
+        case 2: PanelRows<2>(xm, K, wp, k0, k1, N, om, N, prefetch, next_rows); break;
+        case 1: PanelRows<1>(xm, K, wp, k0, k1, N, om, N, prefetch, next_rows); break;
         default: break;
       }
     }
