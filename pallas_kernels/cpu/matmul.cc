@@ -8,7 +8,8 @@
 // columns (64 with AVX-512), piece by piece (kChunk rows of a panel): each block of up to kRows
 // rows keeps its sums in vector registers while the piece goes by, the first block bringing the
 // piece into the L1 cache for the others, and prefetching the next piece into L2 meanwhile, so
-// that memory keeps streaming while the blocks compute. Runs of up to kItemPanels neighbouring
+// that memory keeps streaming while the blocks compute (a lone block, 4 rows or fewer, prefetches
+// its own rows a little ahead instead). Runs of up to kItemPanels neighbouring
 // panels (long runs of each weight row: memory streams better) are shared with XLA's intra-op
 // thread pool (common.h).
 
@@ -32,6 +33,7 @@ constexpr int64_t kVecs = 1;                  // (AVX2: a vector is 2 of its 16 
 #endif
 constexpr int64_t kPanel = kVecs * 16;        // columns per panel
 constexpr int64_t kRows = 4;                  // rows per register block: kRows x kVecs accumulators
+constexpr int64_t kAheadRows = 16;            // how far ahead a lone row block prefetches its rows
 constexpr int64_t kItemPanels = 32;           // most panels per work item (longer runs of each weight row)
 constexpr int64_t kChunk = 64;                // weight rows per pass of the row blocks (16 KB of a panel)
 
@@ -45,11 +47,12 @@ inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
 
 // out[r, :kPanel] (+)= x[r, k0:k1] @ w[k0:k1, :kPanel] for the R rows from x / out (leading dims
 // ldx, ldo; w at the panel's first column, leading dim N): the sums start from zero when k0 is 0,
-// else from out. With `next` (the next piece: next_rows weight rows), each step also prefetches
-// one of its rows into L2.
+// else from out. With `next` (next_rows weight rows, leading dim N), each step also prefetches
+// one of them: into L1 with `own_rows` (rows ahead of this block's own), else into L2 (the next
+// piece).
 template <int R>
 void PanelRows(const float* x, int64_t ldx, const float* w, int64_t k0, int64_t k1, int64_t N, float* out,
-               int64_t ldo, const float* next, int64_t next_rows) {
+               int64_t ldo, const float* next, int64_t next_rows, bool own_rows) {
   Vec acc[R][kVecs] = {};
   if (k0 > 0) {
     for (int r = 0; r < R; ++r) {
@@ -59,7 +62,13 @@ void PanelRows(const float* x, int64_t ldx, const float* w, int64_t k0, int64_t 
   for (int64_t k = k0; k < k1; ++k) {
     const float* wk = w + k * N;
     if (next != nullptr && k - k0 < next_rows) {
-      for (int64_t c = 0; c < kVecs; ++c) __builtin_prefetch(next + (k - k0) * N + 16 * c, 0, 1);
+      for (int64_t c = 0; c < kVecs; ++c) {
+        if (own_rows) {
+          __builtin_prefetch(next + (k - k0) * N + 16 * c, 0, 3);
+        } else {
+          __builtin_prefetch(next + (k - k0) * N + 16 * c, 0, 1);
+        }
+      }
     }
     Vec wv[kVecs];
     for (int64_t c = 0; c < kVecs; ++c) wv[c] = Load(wk + 16 * c);
@@ -81,21 +90,25 @@ void Panels(const float* x, const float* w, int64_t M, int64_t K, int64_t N, int
     for (int64_t p = p0; p < p1; ++p) {
       const bool last_panel = p + 1 == p1;
       const int64_t next_k0 = last_panel ? k1 : k0;
-      const int64_t next_rows = std::min(K, next_k0 + kChunk) - next_k0;
-      const float* next = next_rows > 0 ? w + next_k0 * N + (last_panel ? p0 : p + 1) * kPanel : nullptr;
+      int64_t next_rows = std::min(K, next_k0 + kChunk) - next_k0;
       const float* wp = w + p * kPanel;
+      const float* next = next_rows > 0 ? w + next_k0 * N + (last_panel ? p0 : p + 1) * kPanel : nullptr;
+      const bool alone = M <= kRows;
+      if (alone) {  // one block, bound by memory: it prefetches its own rows kAheadRows ahead
+        next_rows = std::max<int64_t>(0, std::min(k1, K - kAheadRows) - k0);
+        next = wp + (k0 + kAheadRows) * N;
+      }
       int64_t m = 0;
       for (; m + kRows <= M; m += kRows) {
         PanelRows<kRows>(x + m * K, K, wp, k0, k1, N, out + m * N + p * kPanel, N, m == 0 ? next : nullptr,
-                         next_rows);
+                         next_rows, alone);
       }
       const float* xm = x + m * K;
       float* om = out + m * N + p * kPanel;
-      const float* prefetch = m == 0 ? next : nullptr;
       switch (M - m) {
-        case 3: PanelRows<3>(xm, K, wp, k0, k1, N, om, N, prefetch, next_rows); break;
-        case 2: PanelRows<2>(xm, K, wp, k0, k1, N, om, N, prefetch, next_rows); break;
-        case 1: PanelRows<1>(xm, K, wp, k0, k1, N, om, N, prefetch, next_rows); break;
+        case 3: PanelRows<3>(xm, K, wp, k0, k1, N, om, N, m == 0 ? next : nullptr, next_rows, alone); break;
+        case 2: PanelRows<2>(xm, K, wp, k0, k1, N, om, N, m == 0 ? next : nullptr, next_rows, alone); break;
+        case 1: PanelRows<1>(xm, K, wp, k0, k1, N, om, N, m == 0 ? next : nullptr, next_rows, alone); break;
         default: break;
       }
     }
