@@ -144,9 +144,23 @@ def greedy(logits):
     return call(logits.astype(jnp.float32))
 
 
+@jax.custom_vjp
 def matmul(x, w):
-    """float32 ``x [M, K] @ w [K, N]`` (``cpu/matmul.cc``: for few rows, the weight streamed once)."""
+    """float32 ``x [M, K] @ w [K, N]`` (``cpu/matmul.cc``: for few rows, the weight streamed once).
+    Differentiable: the backward pass is two XLA matmuls."""
     if not available():
         raise RuntimeError("the C++ CPU kernels are not available (no C++ compiler, or they did not build)")
     call = jax.ffi.ffi_call("jpaged_matmul", jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))
     return call(x, w)
+
+
+def _matmul_forward(x, w):
+    return matmul(x, w), (x, w)
+
+
+def _matmul_backward(saved, grad):
+    x, w = saved
+    return grad @ w.T, x.T @ grad
+
+
+matmul.defvjp(_matmul_forward, _matmul_backward)
