@@ -42,13 +42,14 @@ def test_decode_rows_vs_numpy_and_zeros_elsewhere(case):
 @pytest.mark.parametrize("case", [
     Case(seqs=[(40, 40), (1, 70), (23, 60), (1, 3), (16, 16), (17, 50), (2, 18)], max_seqs=9, extra_tokens=5),
     Case(seqs=[(33, 100), (1, 16), (5, 5)], group=2, head_dim=128),
-    Case(seqs=[(19, 19), (1, 9), (6, 31)], group=3, num_kv_heads=1),
+    Case(seqs=[(19, 19), (1, 9), (6, 31), (20, 30), (40, 75)], group=3, num_kv_heads=1),
     Case(seqs=[(30, 45), (1, 12), (9, 9)], block_size=8, head_dim=32, group=1, num_kv_heads=3),
 ], ids=["g4_d64", "g2_d128", "g3_padded_rows", "generic_bs8_d32"])
 def test_every_row_vs_numpy_prompt_chunks_with_context(case):
     """Prompts cut into 16-token chunks (a last partial one), after earlier context and alone, next
     to decode rows; the fast paths (blocks of 16, heads of 64 or 128, row blocks of 4 or 2 that a
-    group of 3 does not fill) and the generic one; padding rows stay zero."""
+    group of 3 does not fill, so one row block holds two tokens, across a key block's start when a
+    chunk begins mid-block) and the generic one; padding rows stay zero."""
     args, kw = case.build()
     q, k, v, bt, sl, qsl, ns = args
     out = np.asarray(jax.jit(lambda *a: cpu_kernels.paged_attention(*a, scale=kw["scale"]))(*args))

@@ -294,7 +294,7 @@ void AttendChunk16(const float* q, int64_t ldq, const float* k, const float* v, 
       for (int64_t d = 0; d < D; ++d) ktf[d * BS + t] = t < keys ? kb[t * D + d] : 0.f;
     }
     for (int64_t r0 = 0; r0 < padded; r0 += kRows) {
-      if (pos0 + r0 / G < first) continue;  // the block is wholly after these rows' positions
+      if (pos0 + (r0 + kRows - 1) / G < first) continue;  // the block is wholly after these rows' positions
       Vec sc[kRows] = {};
       for (int64_t d = 0; d < D; ++d) {
         const Vec kd = kt[d];
