@@ -489,8 +489,8 @@ class ModelRunner:
         ``max_num_seqs`` bucket unless the step has more sequences, as forking samples can), and on
         the ``xla`` backend every block table has the columns of ``max_model_len``: its attention
         loops only over real rows and blocks, so neither costs work, and a step's shapes depend on
-        its token count alone. The Pallas kernels keep block tables in scalar memory: there the columns are the
-        step's longest table's bucket.
+        its token count alone. The Pallas kernels keep block tables in scalar memory: there the
+        columns are the step's longest table's bucket.
         """
         t_pad = step_bucket(num_tokens, MIN_TOKENS)
         s_pad = max(min(t_pad, self.max_seqs_bucket), step_bucket(num_seqs, MIN_ROWS))

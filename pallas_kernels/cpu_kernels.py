@@ -98,7 +98,7 @@ def available() -> bool:
         return False
     compiler = _compiler()
     if compiler is None:
-        logger.info("no C++ compiler found: CPU decode attention and greedy sampling stay on the jnp paths")
+        logger.info("no C++ compiler found: the C++ CPU kernels are off, the jnp / XLA paths serve")
         return False
     try:
         _register(_build(compiler))
@@ -107,6 +107,11 @@ def available() -> bool:
         logger.warning("the C++ CPU kernels did not build (%s): the jnp paths are used", str(detail)[-2000:])
         return False
     return True
+
+
+def _require() -> None:
+    if not available():
+        raise RuntimeError("the C++ CPU kernels are not available (no C++ compiler, or they did not build)")
 
 
 def supports(*arrays, k_scales=None) -> bool:
@@ -120,8 +125,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc
     """float32 ``[T, Hq, D]``: the attention of every row (decode rows, and prompt chunks of 16
     tokens that attend causally); padding rows are zeros. ``prefill=False``: decode rows only, zeros
     in every other row."""
-    if not available():
-        raise RuntimeError("the C++ CPU attention kernel is not available (no C++ compiler, or it did not build)")
+    _require()
     call = jax.ffi.ffi_call("jpaged_paged_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     return call(q, k_pages, v_pages, i32(block_tables), i32(seq_lens), i32(query_start_loc),
@@ -136,8 +140,7 @@ def greedy(logits):
     """float32 ``[S, V]`` -> (int32 ``[S]``: the index of each row's first maximum; float32 ``[S]``:
     its log-sum-exp). A row with a NaN gives ``V - 1`` and NaN (``jax.nn.logsumexp`` gives NaN too;
     XLA's max may skip the NaN, so `jpaged.sampler.argmax` gives some index in range)."""
-    if not available():
-        raise RuntimeError("the C++ CPU kernels are not available (no C++ compiler, or they did not build)")
+    _require()
     rows = logits.shape[0]
     call = jax.ffi.ffi_call("jpaged_greedy", (jax.ShapeDtypeStruct((rows,), jnp.int32),
                                               jax.ShapeDtypeStruct((rows,), jnp.float32)))
@@ -148,8 +151,7 @@ def greedy(logits):
 def matmul(x, w):
     """float32 ``x [M, K] @ w [K, N]`` (``cpu/matmul.cc``: for few rows, the weight streamed once).
     Differentiable: the backward pass is two XLA matmuls."""
-    if not available():
-        raise RuntimeError("the C++ CPU kernels are not available (no C++ compiler, or they did not build)")
+    _require()
     call = jax.ffi.ffi_call("jpaged_matmul", jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))
     return call(x, w)
 

@@ -152,9 +152,10 @@ class Scheduler:
         ``max_tokens`` is reached (rows that end sooner compute unused tokens), at most
         ``max_steps`` steps and never past ``max_model_len``; its slots are reserved here (the KV
         cache may decline), and the step's block tables updated. Stops and finishes are then
-        applied token by token (`window_substep`). A request that waits (for blocks or a sequence slot: one that fits
-        would have been admitted into this step, which would then not be decode-only) is admitted
-        after the window, up to ``max_steps - 1`` steps later than without one.
+        applied token by token (`window_substep`). A request that waits (for blocks or a sequence
+        slot: one that fits would have been admitted into this step, which would then not be
+        decode-only) is admitted after the window, up to ``max_steps - 1`` steps later than without
+        one.
         """
         if (max_steps <= 1 or out.block_copies or out.swap_in or out.swap_out
                 or out.preempted or out.prompt_logprob_rows or len(out.sample_rows) != len(out.seqs)

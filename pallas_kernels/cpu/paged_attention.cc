@@ -72,13 +72,32 @@ inline float SoftmaxBlock(float* s, int64_t n, float block_max, float& m, float&
   return correction;
 }
 
-// out = acc / l for each of the G query heads' D values (zeros where l is 0).
-inline void Normalize(const std::vector<float>& acc, const std::vector<float>& l, int64_t G, int64_t D,
-                      float* out) {
-  for (int64_t g = 0; g < G; ++g) {
-    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-    for (int64_t d = 0; d < D; ++d) out[g * D + d] = acc[g * D + d] * inv;
+// out[i * ldq + g * D + d] = acc[row][d] / l[row] for row i * G + g of n tokens x G query heads
+// (zeros where l is 0).
+inline void WriteRows(const float* acc, const float* l, int64_t n, int64_t G, int64_t D, int64_t ldq, float* out) {
+  for (int64_t r = 0; r < n * G; ++r) {
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    float* o = out + (r / G) * ldq + (r % G) * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
   }
+}
+
+// acc[0, D) = acc * correction + sum over t < n of p[t] * v[t, 0, D): a row's online-softmax update
+// with one block's values. kD > 0 fixes D at compile time, so that the row is summed in registers.
+template <int kD>
+inline void AddValues(float* acc, float correction, const float* p, const float* v, int64_t n, int64_t D) {
+  if (kD > 0) D = kD;
+  float local[kD > 0 ? kD : 1];
+  float* a = kD > 0 ? local : acc;
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) a[d] = acc[d] * correction;
+  for (int64_t t = 0; t < n; ++t) {
+    const float pt = p[t];
+    const float* vt = v + t * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) a[d] += pt * vt[d];
+  }
+  if (kD > 0) std::memcpy(acc, local, sizeof(float) * D);
 }
 
 // q, out: [G, D]; k, v: one KV head's pages [NB, BS, D]; table: the sequence's blocks. Block by
@@ -107,25 +126,10 @@ void AttendRow(const float* q, const float* k, const float* v, const int32_t* ta
         block_max = std::max(block_max, s[t]);
       }
       const float correction = SoftmaxBlock(s.data(), n, block_max, m[g], l[g]);
-      float a[kD > 0 ? kD : 1];
-      float* ag = kD > 0 ? a : acc.data() + g * D;
-      if (kD > 0) {
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) a[d] = acc[g * D + d] * correction;
-      } else {
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) ag[d] *= correction;
-      }
-      for (int64_t t = 0; t < n; ++t) {
-        const float p = s[t];
-        const float* vt = vb + t * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) ag[d] += p * vt[d];
-      }
-      if (kD > 0) std::memcpy(acc.data() + g * D, a, sizeof(float) * D);
+      AddValues<kD>(acc.data() + g * D, correction, s.data(), vb, n, D);
     }
   }
-  Normalize(acc, l, G, D, out);
+  WriteRows(acc.data(), l.data(), 1, G, D, G * D, out);
 }
 
 #ifdef __AVX512F__
@@ -188,20 +192,27 @@ void AttendRow16(const float* q, const float* k, const float* v, const int32_t* 
       for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(&acc[g * D + 16 * c], a[c]);
     }
   }
-  Normalize(acc, l, G, D, out);
+  WriteRows(acc.data(), l.data(), 1, G, D, G * D, out);
 }
 #endif
 
 // Query tokens per prompt chunk: a chunk's G heads x kChunkTokens tokens share each key block.
 constexpr int64_t kChunkTokens = 16;
 
-// out[i * ldq + g * D + d] = acc[row][d] / l[row] for row i * G + g of a prompt chunk's n tokens x G
-// query heads (zeros where l is 0).
-inline void WriteRows(const float* acc, const float* l, int64_t n, int64_t G, int64_t D, int64_t ldq, float* out) {
-  for (int64_t r = 0; r < n * G; ++r) {
-    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-    float* o = out + (r / G) * ldq + (r % G) * D;
-    for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
+// qc[(i * G + g) * D + d] = q[i * ldq + g * D + d] * scale: a prompt chunk's n tokens x G query
+// heads as rows, scaled once.
+inline void GatherQueries(const float* q, int64_t ldq, int64_t n, int64_t G, int64_t D, float scale, float* qc) {
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t d = 0; d < D; ++d) qc[(i * G + g) * D + d] = q[i * ldq + g * D + d] * scale;
+    }
+  }
+}
+
+// kt[d * BS + t] = key t's dimension d of a block (zeros for the rows past `keys`).
+inline void TransposeKeys(const float* kb, int64_t keys, int64_t BS, int64_t D, float* kt) {
+  for (int64_t t = 0; t < BS; ++t) {
+    for (int64_t d = 0; d < D; ++d) kt[d * BS + t] = t < keys ? kb[t * D + d] : 0.f;
   }
 }
 
@@ -215,11 +226,7 @@ void AttendChunk(const float* q, int64_t ldq, const float* k, const float* v, co
   const int64_t R = n * G, len = pos0 + n, num_blocks = (len + BS - 1) / BS, block_floats = BS * D;
   std::vector<float> qc(R * D), acc(R * D, 0.f), m(R, -std::numeric_limits<float>::infinity()), l(R, 0.f);
   std::vector<float> kt(D * BS), s(BS);
-  for (int64_t i = 0; i < n; ++i) {  // row i * G + g: token i, query head g (scaled once here)
-    for (int64_t g = 0; g < G; ++g) {
-      for (int64_t d = 0; d < D; ++d) qc[(i * G + g) * D + d] = q[i * ldq + g * D + d] * scale;
-    }
-  }
+  GatherQueries(q, ldq, n, G, D, scale, qc.data());
   for (int64_t b = 0; b < num_blocks; ++b) {
     const float* kb = k + table[b] * block_floats;
     const float* vb = v + table[b] * block_floats;
@@ -227,9 +234,7 @@ void AttendChunk(const float* q, int64_t ldq, const float* k, const float* v, co
       PrefetchBlock(k + table[b + 1] * block_floats, v + table[b + 1] * block_floats, block_floats * 4);
     }
     const int64_t first = b * BS, keys = std::min(BS, len - first);
-    for (int64_t t = 0; t < BS; ++t) {  // kt[d][t] = key t's dimension d (rows past keys: zeros)
-      for (int64_t d = 0; d < D; ++d) kt[d * BS + t] = t < keys ? kb[t * D + d] : 0.f;
-    }
+    TransposeKeys(kb, keys, BS, D, kt.data());
     for (int64_t r = 0; r < R; ++r) {
       const int64_t visible = std::min(keys, pos0 + r / G - first + 1);  // keys this row may see
       if (visible <= 0) continue;  // the block is wholly after this row's position
@@ -246,15 +251,7 @@ void AttendChunk(const float* q, int64_t ldq, const float* k, const float* v, co
         block_max = std::max(block_max, s[t]);
       }
       const float correction = SoftmaxBlock(s.data(), BS, block_max, m[r], l[r]);
-      float* ar = acc.data() + r * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) ar[d] *= correction;
-      for (int64_t t = 0; t < visible; ++t) {
-        const float p = s[t];
-        const float* vt = vb + t * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) ar[d] += p * vt[d];
-      }
+      AddValues<0>(acc.data() + r * D, correction, s.data(), vb, visible, D);
     }
   }
   WriteRows(acc.data(), l.data(), n, G, D, ldq, out);
@@ -272,15 +269,10 @@ void AttendChunk16(const float* q, int64_t ldq, const float* k, const float* v, 
   constexpr int64_t D = 16 * kChunks, BS = 16;
   const int64_t R = n * G, padded = (R + kRows - 1) / kRows * kRows, len = pos0 + n;
   const int64_t num_blocks = (len + BS - 1) / BS;
-  std::vector<Vec> qc(padded * D / 16 + 1), acc(padded * kChunks), kt(D);
+  std::vector<Vec> qc(padded * kChunks), acc(padded * kChunks), kt(D);  // zeros: padding rows stay 0
   std::vector<float> m(padded, -std::numeric_limits<float>::infinity()), l(padded, 0.f);
   float* qf = reinterpret_cast<float*>(qc.data());
-  std::fill(qf, qf + padded * D, 0.f);
-  for (int64_t i = 0; i < n; ++i) {  // row i * G + g: token i, query head g (scaled once here)
-    for (int64_t g = 0; g < G; ++g) {
-      for (int64_t d = 0; d < D; ++d) qf[(i * G + g) * D + d] = q[i * ldq + g * D + d] * scale;
-    }
-  }
+  GatherQueries(q, ldq, n, G, D, scale, qf);
   const IVec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const Vec minus_inf = Vec{} - std::numeric_limits<float>::infinity();
   alignas(64) float p[kRows][BS];
@@ -289,10 +281,7 @@ void AttendChunk16(const float* q, int64_t ldq, const float* k, const float* v, 
     const float* vb = v + table[b] * BS * D;
     if (b + 1 < num_blocks) PrefetchBlock(k + table[b + 1] * BS * D, v + table[b + 1] * BS * D, BS * D * 4);
     const int64_t first = b * BS, keys = std::min(BS, len - first);
-    float* ktf = reinterpret_cast<float*>(kt.data());
-    for (int64_t t = 0; t < BS; ++t) {  // kt[d] lane t = key t's dimension d (keys past the end: 0)
-      for (int64_t d = 0; d < D; ++d) ktf[d * BS + t] = t < keys ? kb[t * D + d] : 0.f;
-    }
+    TransposeKeys(kb, keys, BS, D, reinterpret_cast<float*>(kt.data()));  // kt[d] lane t: key t's dim d
     for (int64_t r0 = 0; r0 < padded; r0 += kRows) {
       if (pos0 + (r0 + kRows - 1) / G < first) continue;  // the block is wholly after these rows' positions
       Vec sc[kRows] = {};
