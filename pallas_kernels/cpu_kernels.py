@@ -19,8 +19,9 @@ the flags, the jaxlib version and the CPU), and registered as the custom calls
 ``paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, num_seqs, scale=)``
 attends every row of a ragged batch (`jpaged.attention`'s ``xla`` backend on a CPU);
 ``paged_decode`` only its decode rows (zeros elsewhere). Float32 pages only. ``greedy(logits)``
-gives each row's first maximum and log-sum-exp. ``matmul(x, w)`` is float32 ``x [M, K] @ w [K, N]``
-(`jpaged.models.layers.dot_general` uses it for up to 32 rows).
+gives each row's first maximum and log-sum-exp. ``matmul(x, w)`` is float32 ``x [M, K] @ w [K, N]``,
+``matmuls(x, weights)`` the same for several weights in one call (`jpaged.models.layers` uses them
+for up to 48 rows).
 """
 import ctypes
 import functools
@@ -147,22 +148,31 @@ def greedy(logits):
     return call(logits.astype(jnp.float32))
 
 
-@jax.custom_vjp
 def matmul(x, w):
     """float32 ``x [M, K] @ w [K, N]`` (``cpu/matmul.cc``: for few rows, the weight streamed once).
     Differentiable: the backward pass is two XLA matmuls."""
+    return matmuls(x, (w,))[0]
+
+
+@jax.custom_vjp
+def matmuls(x, weights):
+    """``tuple(x @ w for w in weights)`` in one call (float32 ``x [M, K]``, each ``w [K, N_i]``): the
+    projections of one input (a layer's q, k and v) share the call's hand-off to the thread pool
+    and its load balance. Differentiable like `matmul`."""
     _require()
-    call = jax.ffi.ffi_call("jpaged_matmul", jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))
-    return call(x, w)
+    weights = tuple(weights)
+    call = jax.ffi.ffi_call("jpaged_matmul", [jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
+                                              for w in weights])
+    return tuple(call(x, *weights))
 
 
-def _matmul_forward(x, w):
-    return matmul(x, w), (x, w)
+def _matmuls_forward(x, weights):
+    return matmuls(x, weights), (x, tuple(weights))
 
 
-def _matmul_backward(saved, grad):
-    x, w = saved
-    return grad @ w.T, x.T @ grad
+def _matmuls_backward(saved, grads):
+    x, weights = saved
+    return sum(g @ w.T for g, w in zip(grads, weights)), tuple(x.T @ g for g in grads)
 
 
-matmul.defvjp(_matmul_forward, _matmul_backward)
+matmuls.defvjp(_matmuls_forward, _matmuls_backward)

@@ -143,6 +143,20 @@ def test_matmul_vs_numpy(m, k, n):
     np.testing.assert_allclose(out, x.astype(np.float64) @ w, rtol=1e-4, atol=1e-4 * np.sqrt(k))
 
 
+def test_matmuls_of_several_weights_in_one_call():
+    """One call for several weights of different widths (whole panels, a column tail, one narrower
+    than a panel): each output is its own x @ w, in the order given."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((11, 96)).astype(np.float32)
+    ws = [rng.standard_normal((96, n)).astype(np.float32) for n in (256, 64, 130, 20)]
+    hlo = jax.jit(cpu_kernels.matmuls).lower(x, ws).as_text()
+    assert hlo.count("jpaged_matmul") == 1
+    outs = jax.jit(cpu_kernels.matmuls)(x, ws)
+    assert len(outs) == len(ws)
+    for out, w in zip(outs, ws):
+        np.testing.assert_allclose(np.asarray(out), x.astype(np.float64) @ w, rtol=1e-4, atol=1e-3)
+
+
 def test_linear_layers_use_the_matmul_for_few_rows_only():
     """`layers.dot_general`: the C++ matmul for a decode step's rows, XLA's dot for a prompt's, and
     for anything that is not a float32 [M, K] @ [K, N]; the same numbers either way."""
@@ -162,6 +176,37 @@ def test_linear_layers_use_the_matmul_for_few_rows_only():
     assert "jpaged_matmul" not in half
 
 
+def test_projections_of_one_input_share_one_call():
+    """`layers.project`: q, k and v (with biases) as one C++ call for a decode step's rows, as
+    three XLA dots for a prompt's; layer by layer when one of them is not a plain `nnx.Linear`."""
+    from flax import nnx
+    from jpaged.models import layers
+    rngs = nnx.Rngs(0)
+    qkv = [layers.linear(64, n, True, jnp.float32, rngs) for n in (64, 32, 32)]
+    for layer in qkv:
+        layer.bias.set_value(jnp.asarray(np.random.default_rng(layer.bias.shape[0]).standard_normal(layer.bias.shape),
+                                         jnp.float32))
+    run = nnx.jit(lambda x, *ls: layers.project(x, *ls))
+    for rows, calls in [(3, 1), (layers.SMALL_MATMUL_ROWS + 1, 0)]:
+        x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, 64)).astype(np.float32))
+        hlo = jax.jit(lambda x: layers.project(x, *qkv)).lower(x).as_text()
+        assert hlo.count("jpaged_matmul") == calls, rows
+        for out, layer in zip(run(x, *qkv), qkv):
+            np.testing.assert_allclose(np.asarray(out), np.asarray(x @ layer.kernel[...] + layer.bias[...]),
+                                       rtol=1e-5, atol=1e-5)
+
+    class Scaled(nnx.Module):  # stands for a quantized layer the loader swapped in
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __call__(self, x):
+            return 2 * self.inner(x)
+    x = jnp.ones((2, 64), jnp.float32)
+    mixed = layers.project(x, qkv[0], Scaled(qkv[1]))
+    np.testing.assert_allclose(np.asarray(mixed[1]), 2 * np.asarray(qkv[1](x)), rtol=1e-6)
+    assert jax.jit(lambda x: layers.project(x, qkv[0], Scaled(qkv[1]))).lower(x).as_text().count("jpaged_matmul") == 2
+
+
 def test_matmul_is_differentiable():
     """`nnx.grad` through a few-row linear layer (training code) gets XLA's gradients."""
     rng = np.random.default_rng(3)
@@ -171,4 +216,10 @@ def test_matmul_is_differentiable():
     ours = jax.grad(loss(cpu_kernels.matmul), argnums=(0, 1))(x, w)
     dense = jax.grad(loss(jnp.matmul), argnums=(0, 1))(x, w)
     for a, b in zip(ours, dense):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+    w2 = jnp.asarray(rng.standard_normal((40, 30)).astype(np.float32))
+    both = lambda x, w, w2: jnp.sum(jnp.sin(cpu_kernels.matmuls(x, (w, w2))[0])) + jnp.sum(  # noqa: E731
+        jnp.cos(cpu_kernels.matmuls(x, (w, w2))[1]))
+    dense_both = lambda x, w, w2: jnp.sum(jnp.sin(x @ w)) + jnp.sum(jnp.cos(x @ w2))  # noqa: E731
+    for a, b in zip(jax.grad(both, argnums=(0, 1, 2))(x, w, w2), jax.grad(dense_both, argnums=(0, 1, 2))(x, w, w2)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)

@@ -60,7 +60,15 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * x32.astype(x.dtype)
 
 
-SMALL_MATMUL_ROWS = 32  # up to this many rows, a CPU float32 matmul runs the C++ one (decode steps)
+SMALL_MATMUL_ROWS = 48  # up to this many rows, a CPU float32 matmul runs the C++ one (decode steps)
+
+
+def _few_rows_kernel(x, weights) -> bool:
+    """Whether float32 ``x [M, K] @ w [K, N]`` for each weight runs `pallas_kernels.cpu_kernels`'s
+    matmul: at most `SMALL_MATMUL_ROWS` rows, on the CPU, without tensor parallelism."""
+    return (x.ndim == 2 and x.shape[0] <= SMALL_MATMUL_ROWS and sharding.model_axis_size() == 1
+            and all(w.ndim == 2 and w.shape[0] == x.shape[1] for w in weights)
+            and cpu_kernels.supports(x, *weights))
 
 
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
@@ -69,10 +77,9 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     logits of a step's sampled rows) runs `pallas_kernels.cpu_kernels.matmul`: it reads the weight
     once, where XLA's GEMM copies it into its own layout first (2-3x slower at these sizes)."""
     ((lhs_contract, rhs_contract), batch) = dimension_numbers
-    if (lhs.ndim == 2 and rhs.ndim == 2 and lhs_contract == (1,) and rhs_contract == (0,) and batch == ((), ())
-            and lhs.shape[0] <= SMALL_MATMUL_ROWS and preferred_element_type in (None, jnp.float32)
-            and kwargs.get("out_sharding") is None and sharding.model_axis_size() == 1
-            and cpu_kernels.supports(lhs, rhs)):
+    if (lhs_contract == (1,) and rhs_contract == (0,) and batch == ((), ())
+            and preferred_element_type in (None, jnp.float32) and kwargs.get("out_sharding") is None
+            and _few_rows_kernel(lhs, (rhs,))):
         return cpu_kernels.matmul(lhs, rhs)
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                preferred_element_type=preferred_element_type, **kwargs)
@@ -80,6 +87,18 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
 
 def linear(din, dout, bias, dtype, rngs):
     return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype, dot_general=dot_general, rngs=rngs)
+
+
+def project(x, *layers):
+    """``tuple(layer(x) for layer in layers)``: several linear layers of one input (q, k and v; gate
+    and up). Where their matmuls run the C++ few-row kernel, they run as one call (one hand-off to
+    the thread pool for all the weights); layers the loader swapped for quantized ones run alone."""
+    if all(type(layer) is nnx.Linear for layer in layers):
+        kernels = [layer.kernel[...] for layer in layers]
+        if _few_rows_kernel(x, kernels):
+            outs = cpu_kernels.matmuls(x, kernels)
+            return tuple(out if layer.bias is None else out + layer.bias[...] for out, layer in zip(outs, layers))
+    return tuple(layer(x) for layer in layers)
 
 
 def run_layers(layers, x, kv_caches, *args):

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jpaged.attention import AttentionMetadata, PagedAttention
-from jpaged.models.layers import RMSNorm, apply_rope, linear, rope_inv_freq, run_layers, tied_or_head_logits
+from jpaged.models.layers import (RMSNorm, apply_rope, linear, project, rope_inv_freq, run_layers,
+                                  tied_or_head_logits)
 from jpaged.models.model_config import ModelConfig
 
 
@@ -20,9 +21,10 @@ class LlamaAttention(nnx.Module):
 
     def __call__(self, x, cos, sin, kv_cache, md: AttentionMetadata):
         t = x.shape[0]
-        q = apply_rope(self.q_proj(x).reshape(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q = apply_rope(q.reshape(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.reshape(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         out, kv_cache = self.attn(q, k, v, kv_cache, md)
         return self.o_proj(out.reshape(t, -1)), kv_cache
 
@@ -34,7 +36,8 @@ class LlamaMLP(nnx.Module):
         self.down_proj = linear(c.intermediate_size, c.hidden_size, False, dtype, rngs)
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, self.gate_proj, self.up_proj)
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nnx.Module):

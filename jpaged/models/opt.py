@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jpaged.attention import AttentionMetadata, PagedAttention
-from jpaged.models.layers import LayerNorm, activation, linear, run_layers, tied_or_head_logits
+from jpaged.models.layers import LayerNorm, activation, linear, project, run_layers, tied_or_head_logits
 from jpaged.models.model_config import ModelConfig
 
 POSITION_OFFSET = 2
@@ -29,9 +29,10 @@ class OPTAttention(nnx.Module):
 
     def __call__(self, x, kv_cache, md: AttentionMetadata):
         t = x.shape[0]
-        q = (self.q_proj(x) * self.scaling).reshape(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(t, self.num_heads, self.head_dim)
-        v = self.v_proj(x).reshape(t, self.num_heads, self.head_dim)
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q = (q * self.scaling).reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_heads, self.head_dim)
+        v = v.reshape(t, self.num_heads, self.head_dim)
         out, kv_cache = self.attn(q, k, v, kv_cache, md)
         return self.out_proj(out.reshape(t, -1)), kv_cache
 

@@ -17,8 +17,13 @@
 
 namespace jpaged {
 
-// Runs run(0) ... run(total - 1) on the calling thread and up to pool.num_threads() helpers, items
-// handed out one at a time (they may differ in cost); returns when all are done.
+// How many threads run a ParallelFor: the calling thread and pool.num_threads() - 1 helpers, one
+// per core of the pool (the caller is not one of the pool's threads: a helper for every pool thread
+// would put one thread more than there are cores to work, and measured slower).
+inline int64_t Workers(xla::ffi::ThreadPool& pool) { return std::max<int64_t>(1, pool.num_threads()); }
+
+// Runs run(0) ... run(total - 1) on Workers(pool) threads, the calling one among them, items handed
+// out one at a time (they may differ in cost); returns when all are done.
 inline void ParallelFor(xla::ffi::ThreadPool& pool, int64_t total, std::function<void(int64_t)> run) {
   struct Work {
     std::atomic<int64_t> next{0}, done{0};
@@ -39,7 +44,7 @@ inline void ParallelFor(xla::ffi::ThreadPool& pool, int64_t total, std::function
       work->cv.notify_all();
     }
   };
-  for (int64_t i = 0, helpers = std::min<int64_t>(pool.num_threads(), total - 1); i < helpers; ++i) {
+  for (int64_t i = 0, helpers = std::min<int64_t>(Workers(pool) - 1, total - 1); i < helpers; ++i) {
     auto task = drain;
     pool.Schedule(std::move(task));
   }

@@ -1,5 +1,5 @@
-// A matmul for few rows on the CPU: out[M, N] = x[M, K] @ w[K, N], float32, row-major; an XLA FFI
-// custom call (built and loaded by pallas_kernels/cpu_kernels.py).
+// A matmul for few rows on the CPU: out_i[M, N_i] = x[M, K] @ w_i[K, N_i] for one or more weights,
+// float32, row-major; an XLA FFI custom call (built and loaded by pallas_kernels/cpu_kernels.py).
 //
 // A decode step multiplies a handful of rows by every weight matrix of the model: the weights are
 // read once per step and do not fit the cache, so the step is bound by memory, and a matmul that
@@ -9,13 +9,14 @@
 // rows keeps its sums in vector registers while the piece goes by, the first block bringing the
 // piece into the L1 cache for the others, and prefetching the next piece into L2 meanwhile, so
 // that memory keeps streaming while the blocks compute (a lone block, 4 rows or fewer, prefetches
-// its own rows a little ahead instead). Runs of up to kItemPanels neighbouring
-// panels (long runs of each weight row: memory streams better) are shared with XLA's intra-op
-// thread pool (common.h).
+// its own rows a little ahead instead). Runs of up to kItemPanels neighbouring panels of a weight
+// (long runs of each weight row: memory streams better) are shared with XLA's intra-op thread pool
+// (common.h); the weights of one call (a layer's q, k and v; its gate and up) share one hand-off.
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 #include "common.h"
@@ -35,6 +36,7 @@ constexpr int64_t kPanel = kVecs * 16;        // columns per panel
 constexpr int64_t kRows = 4;                  // rows per register block: kRows x kVecs accumulators
 constexpr int64_t kAheadRows = 16;            // how far ahead a lone row block prefetches its rows
 constexpr int64_t kItemPanels = 32;           // most panels per work item (longer runs of each weight row)
+constexpr int64_t kItemsPerWorker = 4;        // work items per thread, where there are enough panels
 constexpr int64_t kChunk = 64;                // weight rows per pass of the row blocks (16 KB of a panel)
 
 inline Vec Load(const float* p) {
@@ -126,23 +128,53 @@ void Tail(const float* x, const float* w, int64_t M, int64_t K, int64_t N, int64
   }
 }
 
-ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                      ffi::ResultBuffer<ffi::F32> out) {
+// out_i[M, N_i] = x[M, K] @ w_i[K, N_i] for each weight: one call for the projections of one input
+// (q, k and v; gate and up), so that they share the thread pool's hand-off and its load balance.
+ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs weights,
+                      ffi::RemainingRets outs) {
   const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0]) {
-    return ffi::Error::InvalidArgument("jpaged_matmul: expected x [M, K] and w [K, N]");
+  if (xd.size() != 2 || weights.size() == 0 || weights.size() != outs.size()) {
+    return ffi::Error::InvalidArgument("jpaged_matmul: expected x [M, K] and one output per weight");
   }
-  const int64_t M = xd[0], K = xd[1], N = wd[1], panels = N / kPanel;
+  const int64_t M = xd[0], K = xd[1];
+  struct Weight {
+    const float* w;
+    float* out;
+    int64_t N;
+  };
+  std::vector<Weight> ws;
+  int64_t total_panels = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const auto w = weights.get<ffi::Buffer<ffi::F32>>(i);
+    auto out = outs.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w.has_value() || !out.has_value() || w->dimensions().size() != 2 || w->dimensions()[0] != K ||
+        (*out)->dimensions().size() != 2 || (*out)->dimensions()[0] != M ||
+        (*out)->dimensions()[1] != w->dimensions()[1]) {
+      return ffi::Error::InvalidArgument("jpaged_matmul: expected float32 weights [K, N] and outputs [M, N]");
+    }
+    ws.push_back({w->typed_data(), (*out)->typed_data(), w->dimensions()[1]});
+    total_panels += ws.back().N / kPanel;
+  }
+  // Work items: runs of up to kItemPanels panels of one weight (long runs of each weight row stream
+  // better), about kItemsPerWorker of them per worker (fewer: longer runs; more: the workers even
+  // out), and the columns past a weight's last whole panel.
+  const int64_t target = kItemsPerWorker * jpaged::Workers(pool);
+  const int64_t per_item = std::clamp<int64_t>(total_panels / target, 1, kItemPanels);
+  struct Item {
+    int64_t weight, p0, p1;  // panels [p0, p1); p0 < 0: the tail columns
+  };
+  std::vector<Item> items;
+  for (int64_t i = 0; i < static_cast<int64_t>(ws.size()); ++i) {
+    const int64_t panels = ws[i].N / kPanel;
+    for (int64_t p = 0; p < panels; p += per_item) items.push_back({i, p, std::min(panels, p + per_item)});
+    if (ws[i].N % kPanel != 0) items.push_back({i, -1, -1});
+  }
   const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
-  float* op = out->typed_data();
-  // Up to kItemPanels panels per work item, but at least 16 items where there are enough panels.
-  const int64_t per_item = std::max<int64_t>(1, std::min<int64_t>(kItemPanels, panels / 16));
-  const int64_t items = (panels + per_item - 1) / per_item;
-  jpaged::ParallelFor(pool, items + (N % kPanel != 0), [&](int64_t i) {
-    if (i < items) return Panels(xp, wp, M, K, N, i * per_item, std::min(panels, (i + 1) * per_item), op);
-    Tail(xp, wp, M, K, N, panels * kPanel, op);
+  jpaged::ParallelFor(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
+    const Item& item = items[i];
+    const Weight& w = ws[item.weight];
+    if (item.p0 >= 0) return Panels(xp, w.w, M, K, w.N, item.p0, item.p1, w.out);
+    Tail(xp, w.w, M, K, w.N, w.N / kPanel * kPanel, w.out);
   });
   return ffi::Error::Success();
 }
@@ -153,5 +185,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedMatmul, MatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // out
+                                  .RemainingArgs()                 // weights
+                                  .RemainingRets());               // one output per weight
