@@ -21,7 +21,7 @@ attends every row of a ragged batch (`jpaged.attention`'s ``xla`` backend on a C
 ``paged_decode`` only its decode rows (zeros elsewhere). Float32 pages only. ``greedy(logits)``
 gives each row's first maximum and log-sum-exp. ``matmul(x, w)`` is float32 ``x [M, K] @ w [K, N]``,
 ``matmuls(x, weights)`` the same for several weights in one call (`jpaged.models.layers` uses them
-for up to 48 rows).
+for up to 64 rows).
 """
 import ctypes
 import functools

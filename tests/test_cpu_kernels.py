@@ -134,9 +134,10 @@ def test_greedy_sampling_through_the_kernel_equals_the_jnp_path(monkeypatch):
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 512, 768), (5, 7, 64), (6, 64, 130), (13, 100, 1000), (32, 300, 200),
-                                   (2, 33, 5)])
+                                   (2, 33, 5), (63, 200, 192)])
 def test_matmul_vs_numpy(m, k, n):
-    """Whole 64-column panels, a column tail, row blocks of 6 and their rest, K across chunks."""
+    """Whole 64-column panels, a column tail, row blocks of 4 and their rest (up to 16 blocks
+    sharing the next piece's prefetch), K across chunks."""
     rng = np.random.default_rng(m * n)
     x, w = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
     out = np.asarray(jax.jit(cpu_kernels.matmul)(x, w))

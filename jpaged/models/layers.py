@@ -60,7 +60,7 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * x32.astype(x.dtype)
 
 
-SMALL_MATMUL_ROWS = 48  # up to this many rows, a CPU float32 matmul runs the C++ one (decode steps)
+SMALL_MATMUL_ROWS = 64  # up to this many rows, a CPU float32 matmul runs the C++ one (decode steps)
 
 
 def _few_rows_kernel(x, weights) -> bool:
