@@ -9,9 +9,10 @@
 // rows keeps its sums in vector registers while the piece goes by, the first block bringing the
 // piece into the L1 cache for the others, and every block prefetching its share of the next piece
 // into L2 meanwhile, so that memory keeps streaming while the blocks compute (a lone block, 4 rows
-// or fewer, prefetches its own rows a little ahead instead). Runs of up to kItemPanels neighbouring panels of a weight
-// (long runs of each weight row: memory streams better) are shared with XLA's intra-op thread pool
-// (common.h); the weights of one call (a layer's q, k and v; its gate and up) share one hand-off.
+// or fewer, prefetches its own rows a little ahead instead). Runs of up to kItemPanels neighbouring
+// panels of a weight (long runs of each weight row: memory streams better) are shared with XLA's
+// intra-op thread pool (common.h); the weights of one call (a layer's q, k and v; its gate and up)
+// share one hand-off.
 
 #include <algorithm>
 #include <cstdint>
@@ -103,7 +104,8 @@ void Panels(const float* x, const float* w, int64_t M, int64_t K, int64_t N, int
         next_rows = std::max<int64_t>(0, std::min(k1, K - kAheadRows) - k0);
       }
       const int64_t share = (next_rows + blocks - 1) / blocks;  // next rows each block prefetches
-      const auto first_row = [&](int64_t m) { return std::min(next_rows, m / kRows * share); };  // of row m's block
+      // The first of the next rows that the block of row m prefetches, its pointer and its count.
+      const auto first_row = [&](int64_t m) { return std::min(next_rows, m / kRows * share); };
       const auto next_of = [&](int64_t m) { return next + first_row(m) * N; };
       const auto rows_of = [&](int64_t m) { return std::min(share, next_rows - first_row(m)); };
       int64_t m = 0;
