@@ -10,17 +10,17 @@ KV pool layout, per layer: ``k_pages`` and ``v_pages`` of shape
 offset ``s % block_size``. Heads lead so the pool shards on its first axis. With an 8-bit KV cache
 (``kv_cache_dtype`` "int8" or "fp8") a layer's cache is ``(k_pages, v_pages, k_scales, v_scales)``:
 int8 / float8_e4m3fn pages and bfloat16 scales ``[num_kv_heads, num_blocks, block_size]``, one per
-(token, kv head) (`pallas_kernels.quant`); the write quantizes and attention dequantizes, on every
+(token, kv head) (`jpaged_kernels.quant`); the write quantizes and attention dequantizes, on every
 backend. The cache tuple alone says which: a layer needs no setting of its own.
 
 Backends:
 - ``xla`` (the CPU default): on a CPU with float32 pages, the C++ kernel
-  `pallas_kernels.cpu_kernels.paged_attention` (decode rows and 16-token prompt chunks, each reading
-  its own blocks); elsewhere `pallas_kernels.ragged_paged_attention_reference`, the package's one
+  `jpaged_kernels.cpu.paged_attention` (decode rows and 16-token prompt chunks, each reading
+  its own blocks); elsewhere `jpaged_kernels.ragged_paged_attention_reference`, the package's one
   jnp paged attention: decode rows and prefill chunks loop over their own blocks with an online
   softmax. Either way the work tracks each sequence's real context, and no extra metadata is needed.
 - ``pallas``: the Pallas kernels over the flat token batch (TPU/GPU; interpret mode elsewhere): the
-  decode kernel `pallas_kernels.paged_attention` when every row of the step has one query
+  decode kernel `jpaged_kernels.paged_attention` when every row of the step has one query
   (``decode_only``), the ragged kernel otherwise.
 """
 import dataclasses
@@ -31,9 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import pallas_kernels
+import jpaged_kernels
 from jpaged import sharding
-from pallas_kernels import cpu_kernels
+from jpaged_kernels import cpu
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -91,10 +91,10 @@ def attention_backend_of(model) -> str:
 
 def xla_paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale, **scales):
     """The C++ CPU kernel where it runs (float32 pages), else the jnp loops."""
-    if cpu_kernels.supports(q, k_pages, k_scales=scales.get("k_scales")):
-        return cpu_kernels.paged_attention(q, k_pages, v_pages, md.block_tables, md.seq_lens, md.query_start_loc,
+    if cpu.runs("paged_attention", q, k_pages, k_scales=scales.get("k_scales")):
+        return cpu.paged_attention(q, k_pages, v_pages, md.block_tables, md.seq_lens, md.query_start_loc,
                                           md.num_seqs, scale=scale).astype(q.dtype)
-    return pallas_kernels.ragged_paged_attention_reference(
+    return jpaged_kernels.ragged_paged_attention_reference(
         q, k_pages, v_pages, md.block_tables, md.seq_lens, md.query_start_loc, md.num_seqs, scale=scale, **scales)
 
 
@@ -107,22 +107,22 @@ def pallas_paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale,
     if md.decode_only:  # token s is sequence s's one query; rows past num_seqs are padding
         t, s = q.shape[0], md.seq_lens.shape[0]
         q_rows = q[:s] if t >= s else jnp.pad(q, ((0, s - t), (0, 0), (0, 0)))
-        out = pallas_kernels.paged_attention(q_rows, k_pages, v_pages, md.block_tables, md.seq_lens,
+        out = jpaged_kernels.paged_attention(q_rows, k_pages, v_pages, md.block_tables, md.seq_lens,
                                              scale=scale, interpret=_interpret(), **scales)
         return out[:t] if s >= t else jnp.pad(out, ((0, t - s), (0, 0), (0, 0)))
-    return pallas_kernels.ragged_paged_attention(q, k_pages, v_pages, md.block_tables, md.seq_lens,
+    return jpaged_kernels.ragged_paged_attention(q, k_pages, v_pages, md.block_tables, md.seq_lens,
                                                  md.query_start_loc, md.num_seqs, scale=scale,
                                                  interpret=_interpret(), **scales)
 
 
 def pallas_write_kv(k_pages, v_pages, k_new, v_new, slot_mapping, **scales):
-    return pallas_kernels.write_kv(k_pages, v_pages, k_new, v_new, slot_mapping, interpret=_interpret(),
+    return jpaged_kernels.write_kv(k_pages, v_pages, k_new, v_new, slot_mapping, interpret=_interpret(),
                                    **scales)
 
 
 # name -> (write(k_pages, v_pages, k, v, slot_mapping, **scales), attend(q, k_pages, v_pages, md, *,
 # scale, **scales)); ``scales`` is ``k_scales=, v_scales=`` with 8-bit pages, else empty.
-BACKENDS = {"xla": (pallas_kernels.write_kv_reference, xla_paged_attention),
+BACKENDS = {"xla": (jpaged_kernels.write_kv_reference, xla_paged_attention),
             "pallas": (pallas_write_kv, pallas_paged_attention)}
 
 
@@ -148,7 +148,7 @@ class PagedAttention(nnx.Module):
         write, attend = BACKENDS[self.backend]
 
         def write_and_attend(q, k, v, kv_cache, md):
-            scales_of = pallas_kernels.quant.scales_of
+            scales_of = jpaged_kernels.quant.scales_of
             kv_cache = tuple(write(*kv_cache[:2], k, v, md.slot_mapping, **scales_of(kv_cache)))
             return attend(q, *kv_cache[:2], md, scale=self.scale, **scales_of(kv_cache)), kv_cache
 

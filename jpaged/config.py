@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 import jax.numpy as jnp
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}  # by EngineConfig.dtype name
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # CacheConfig.kv_cache_dtype; 8-bit: pallas_kernels/quant.py
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # CacheConfig.kv_cache_dtype; 8-bit: jpaged_kernels/quant.py
 QUANTIZATIONS = ("int8", "gguf")  # EngineConfig.quantization values besides None
 
 

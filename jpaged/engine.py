@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import pallas_kernels
+import jpaged_kernels
 from jpaged import beam_search, sharding
 from jpaged.config import DTYPES, EngineConfig, check_kv_cache_dtype
 from jpaged.core.kv_cache_manager import KVCacheManager
@@ -65,7 +65,7 @@ class LLMEngine:
         check_kv_cache_dtype(kv_name, self.attention_backend, platform,
                              getattr(self.mesh.devices.flat[0], "compute_capability", None))
         # The KV pages' dtype: the model's ("auto"), or 8-bit with a scale per (token, kv head).
-        self.kv_cache_dtype = self.dtype if kv_name == "auto" else pallas_kernels.KV_DTYPES[kv_name]
+        self.kv_cache_dtype = self.dtype if kv_name == "auto" else jpaged_kernels.KV_DTYPES[kv_name]
         model, self.tokenizer = self._load(model, tokenizer)
         release_free_host_memory()
         mc = self.model_config = model.config
@@ -123,7 +123,7 @@ class LLMEngine:
         mc = self.model_config
         heads_per_device = max(1, mc.num_kv_heads // self.config.tensor_parallel_size)
         return (2 * mc.num_layers * heads_per_device * self.config.cache.block_size
-                * pallas_kernels.quant.bytes_per_row(mc.head_dim, self.kv_cache_dtype))
+                * jpaged_kernels.quant.bytes_per_row(mc.head_dim, self.kv_cache_dtype))
 
     def _num_blocks(self) -> int:
         """Pool size: ``num_kv_blocks``, else a byte budget (``kv_cache_memory_bytes``, else the
@@ -147,8 +147,8 @@ class LLMEngine:
             if n < 1:
                 raise ValueError(f"kv_cache_memory_bytes={budget}: too small for one KV block of {per_block} bytes")
         kv_dtype = jnp.dtype(self.kv_cache_dtype).name
-        if pallas_kernels.quant.is_quantized(self.kv_cache_dtype):
-            kv_dtype += f" + {jnp.dtype(pallas_kernels.SCALE_DTYPE).name} scales"
+        if jpaged_kernels.quant.is_quantized(self.kv_cache_dtype):
+            kv_dtype += f" + {jnp.dtype(jpaged_kernels.SCALE_DTYPE).name} scales"
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB per device (%s); %s, %d bytes "
                     "per token per device; set num_kv_blocks or kv_cache_memory_bytes to change it",
                     n, cc.block_size, n * cc.block_size, n * per_block / 2**20,

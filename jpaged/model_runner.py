@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import pallas_kernels
+import jpaged_kernels
 
 from jpaged import prompt_logprobs, sharding
 from jpaged.attention import attention_backend_of, make_attention_metadata
@@ -78,7 +78,7 @@ def _scatter_blocks(kv_caches, blocks, data):
 
 def _copy_blocks(kv_caches, src, dst):
     def copy(layer, src, dst):
-        return pallas_kernels.copy_blocks(*layer[:2], src, dst, **pallas_kernels.quant.scales_of(layer))
+        return jpaged_kernels.copy_blocks(*layer[:2], src, dst, **jpaged_kernels.quant.scales_of(layer))
 
     if sharding.model_axis_size() > 1:  # the kernel copies each device's slice of the blocks
         copy = sharding.shard_heads(copy, (sharding.POOL, sharding.REPLICATED, sharding.REPLICATED),
@@ -205,12 +205,12 @@ class ModelRunner:
 
     def _new_kv_pool(self):
         """Per layer ``(k_pages, v_pages)``, or with 8-bit pages ``(k_pages, v_pages, k_scales,
-        v_scales)`` (scales ``[Hkv, num_blocks, block_size]``, `pallas_kernels.SCALE_DTYPE`)."""
+        v_scales)`` (scales ``[Hkv, num_blocks, block_size]``, `jpaged_kernels.SCALE_DTYPE`)."""
         c = self.config
         shape = (c.num_kv_heads, self.num_blocks, self.block_size, c.head_dim)
         arrays = [(shape, self.kv_cache_dtype)] * 2
-        if pallas_kernels.quant.is_quantized(self.kv_cache_dtype):
-            arrays += [(shape[:3], pallas_kernels.SCALE_DTYPE)] * 2
+        if jpaged_kernels.quant.is_quantized(self.kv_cache_dtype):
+            arrays += [(shape[:3], jpaged_kernels.SCALE_DTYPE)] * 2
         return [tuple(sharding.zeros_sharded(s, dt, sharding.kv_pool_sharding(self.mesh, len(s))) for s, dt in arrays)
                 for _ in range(c.num_layers)]
 

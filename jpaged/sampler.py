@@ -22,8 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jpaged import sharding
-from pallas_kernels import cpu_kernels
+from jpaged_kernels import cpu
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -148,11 +147,11 @@ def argmax(x):
 
 
 def greedy_reductions(logits):
-    """(`argmax`, log-sum-exp) of every row: on a CPU, in one C++ call (`cpu_kernels.greedy`) that
+    """(`argmax`, log-sum-exp) of every row: on a CPU, in one C++ call (`jpaged_kernels.cpu.greedy`) that
     reads each row while it is in the cache, not XLA's several passes over the whole batch (a row
     with a NaN gives the last index there)."""
-    if sharding.model_axis_size() == 1 and cpu_kernels.supports(logits):
-        return cpu_kernels.greedy(logits)
+    if cpu.runs("greedy", logits):
+        return cpu.greedy(logits)
     return argmax(logits), jax.nn.logsumexp(logits, axis=-1)
 
 

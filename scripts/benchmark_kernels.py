@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import pallas_kernels as pk
-from pallas_kernels import cpu_kernels
+import jpaged_kernels as pk
+from jpaged_kernels import cpu as cpu_kernels
 
 _MODE = flags.DEFINE_enum("mode", "steps", ["steps", "dense"],
                           "Engine-like steps (old vs new xla path) or paged vs dense decode.")
@@ -182,8 +182,8 @@ def work(seqs, t_pad, b_pad, groups, bs, hkv, group, d):
 
   Keys read per query row: attended = its causal context; old = every chunk
   reads b_pad blocks; new = its batch's trip count x pages x bs, with the
-  batches of pallas_kernels.reference rebuilt here on the host."""
-  from pallas_kernels import reference as ref
+  batches of jpaged_kernels.jnp rebuilt here on the host."""
+  from jpaged_kernels.jnp import attention as ref
   kv_bytes = lambda keys: keys * hkv * d * 2 * 4  # noqa: E731
   flops = lambda q_keys: q_keys * hkv * group * d * 4  # noqa: E731
   step = ref.PAGES_PER_STEP * bs
@@ -228,7 +228,7 @@ def run_steps():
   cpp_fn = jax.jit(functools.partial(cpu_kernels.paged_attention, scale=scale)) if cpp else None
   print(f"platform={jax.default_backend()} one layer: {hkv} kv heads x {group}, "
         f"head_dim {d}, block {bs}, float32; median of {_NUM_RUNS.value}; cpp_ms: the C++ kernel "
-        f"(pallas_kernels/cpu_kernels.py), every row")
+        f"(jpaged_kernels/cpu/), every row")
   print(f"{'case':<38} {'old_ms':>8} {'new_ms':>8} {'speed-up':>8} {'cpp_ms':>8} "
         f"{'KV MB att/old/new':>20} {'MFLOP att/old/new':>20} {'max_diff':>9}")
   for name, seqs in STEP_CASES.items():

@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (pallas_kernels/cpu/, XLA FFI custom calls) against numpy and the jnp paths:
+"""The C++ CPU kernels (jpaged_kernels/cpu/, XLA FFI custom calls) against numpy and the jnp paths:
 paged attention (decode rows, prompt chunks), greedy sampling's reductions, the small matmul."""
 import os
 
@@ -7,17 +7,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import cpu_kernels
+from jpaged_kernels import cpu as cpu_kernels
+from jpaged_kernels.cpu import library
 from test_kernels import Case, as_np, check, check_ragged_reference, decode_case, np_ragged
 
-pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None, reason="no C++ compiler on this machine")
+pytestmark = pytest.mark.skipif(library.compiler() is None, reason="no C++ compiler on this machine")
 
 
 def test_kernel_builds_into_its_cache_and_registers(tmp_path, monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "CACHE_DIR", str(tmp_path))
-    path = cpu_kernels._build(cpu_kernels._compiler())
+    monkeypatch.setattr(library, "CACHE_DIR", str(tmp_path))
+    path = library.build(library.compiler())
     assert os.path.dirname(path) == str(tmp_path) and os.path.getsize(path) > 0
-    assert cpu_kernels._build(cpu_kernels._compiler()) == path  # a second call reuses the file
+    assert library.build(library.compiler()) == path  # a second call reuses the file
     assert cpu_kernels.available()
 
 
@@ -76,9 +77,9 @@ def test_ragged_attention_with_the_kernel_for_decode_rows_vs_numpy():
 def test_used_for_float32_pages_only():
     q = jnp.zeros((2, 4, 8), jnp.float32)
     pages = jnp.zeros((1, 4, 8, 8), jnp.float32)
-    assert cpu_kernels.supports(q, pages)
-    assert not cpu_kernels.supports(q.astype(jnp.bfloat16), pages.astype(jnp.bfloat16))
-    assert not cpu_kernels.supports(q, pages.astype(jnp.int8), k_scales=jnp.ones((1, 4, 8), jnp.bfloat16))
+    assert cpu_kernels.runs("paged_attention", q, pages)
+    assert not cpu_kernels.runs("paged_attention", q.astype(jnp.bfloat16), pages.astype(jnp.bfloat16))
+    assert not cpu_kernels.runs("paged_attention", q, pages.astype(jnp.int8), k_scales=jnp.ones((1, 4, 8), jnp.bfloat16))
 
 
 def test_a_block_id_outside_the_pool_is_an_error():
@@ -90,13 +91,13 @@ def test_a_block_id_outside_the_pool_is_an_error():
 
 
 def test_without_a_compiler_the_jnp_path_serves(monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: None)
-    cpu_kernels.available.cache_clear()
+    monkeypatch.setattr(library, "compiler", lambda: None)
+    library.available.cache_clear()
     try:
         assert not cpu_kernels.available()
-        assert not cpu_kernels.supports(jnp.zeros((2, 4, 8)), jnp.zeros((1, 4, 8, 8)))
+        assert not cpu_kernels.runs("paged_attention", jnp.zeros((2, 4, 8)), jnp.zeros((1, 4, 8, 8)))
     finally:
-        cpu_kernels.available.cache_clear()  # the next caller builds (or finds) it again
+        library.available.cache_clear()  # the next caller builds (or finds) it again
 
 
 def test_greedy_matches_argmax_and_logsumexp_with_ties_nan_and_infinities():
@@ -127,7 +128,7 @@ def test_greedy_sampling_through_the_kernel_equals_the_jnp_path(monkeypatch):
     tensors = build_sampling_tensors([], 6, 0)
     tensors.all_greedy, tensors.num_logprobs = True, 3
     with_kernel = jax.jit(sampler.sample)(logits, tensors)
-    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    monkeypatch.setattr(library, "available", lambda: False)
     without = jax.jit(sampler.sample)(logits, tensors)
     for a, b in zip(with_kernel, without):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
@@ -166,7 +167,7 @@ def test_linear_layers_use_the_matmul_for_few_rows_only():
     dims = (((1,), (0,)), ((), ()))
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.standard_normal((64, 96)).astype(np.float32))
-    for rows, custom in [(1, True), (layers.SMALL_MATMUL_ROWS, True), (layers.SMALL_MATMUL_ROWS + 1, False)]:
+    for rows, custom in [(1, True), (cpu_kernels.MATMUL_ROWS, True), (cpu_kernels.MATMUL_ROWS + 1, False)]:
         x = jnp.asarray(rng.standard_normal((rows, 64)).astype(np.float32))
         hlo = jax.jit(lambda x, w: layers.dot_general(x, w, dims)).lower(x, w).as_text()
         assert ("jpaged_matmul" in hlo) == custom, rows
@@ -188,7 +189,7 @@ def test_projections_of_one_input_share_one_call():
         layer.bias.set_value(jnp.asarray(np.random.default_rng(layer.bias.shape[0]).standard_normal(layer.bias.shape),
                                          jnp.float32))
     run = nnx.jit(lambda x, *ls: layers.project(x, *ls))
-    for rows, calls in [(3, 1), (layers.SMALL_MATMUL_ROWS + 1, 0)]:
+    for rows, calls in [(3, 1), (cpu_kernels.MATMUL_ROWS + 1, 0)]:
         x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, 64)).astype(np.float32))
         hlo = jax.jit(lambda x: layers.project(x, *qkv)).lower(x).as_text()
         assert hlo.count("jpaged_matmul") == calls, rows

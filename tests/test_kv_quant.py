@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pallas_kernels as pk
+import jpaged_kernels as pk
 from conftest import COMMON, _save, random_prompts
 from jpaged import LLM, SamplingParams
 from jpaged.config import CacheConfig, check_kv_cache_dtype

@@ -7,9 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jpaged import sharding
 from jpaged.models.model_config import ModelConfig
-from pallas_kernels import cpu_kernels
+from jpaged_kernels import cpu
 
 ACTIVATIONS = {
     "relu": jax.nn.relu,
@@ -60,27 +59,15 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * x32.astype(x.dtype)
 
 
-SMALL_MATMUL_ROWS = 64  # up to this many rows, a CPU float32 matmul runs the C++ one (decode steps)
-
-
-def _few_rows_kernel(x, weights) -> bool:
-    """Whether float32 ``x [M, K] @ w [K, N]`` for each weight runs `pallas_kernels.cpu_kernels`'s
-    matmul: at most `SMALL_MATMUL_ROWS` rows, on the CPU, without tensor parallelism."""
-    return (x.ndim == 2 and x.shape[0] <= SMALL_MATMUL_ROWS and sharding.model_axis_size() == 1
-            and all(w.ndim == 2 and w.shape[0] == x.shape[1] for w in weights)
-            and cpu_kernels.supports(x, *weights))
-
-
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
     """`jax.lax.dot_general` for the `linear` layers, except that a float32 ``[M, K] @ [K, N]`` with
-    at most `SMALL_MATMUL_ROWS` rows on the CPU without tensor parallelism (a decode step, or the
-    logits of a step's sampled rows) runs `pallas_kernels.cpu_kernels.matmul`: it reads the weight
-    once, where XLA's GEMM copies it into its own layout first (2-3x slower at these sizes)."""
+    few rows where `jpaged_kernels.cpu.runs` says so (a decode step, or the logits of a step's
+    sampled rows) runs the C++ `jpaged_kernels.cpu.matmul`, which streams the weight once."""
     ((lhs_contract, rhs_contract), batch) = dimension_numbers
     if (lhs_contract == (1,) and rhs_contract == (0,) and batch == ((), ())
             and preferred_element_type in (None, jnp.float32) and kwargs.get("out_sharding") is None
-            and _few_rows_kernel(lhs, (rhs,))):
-        return cpu_kernels.matmul(lhs, rhs)
+            and cpu.runs("matmul", lhs, rhs)):
+        return cpu.matmul(lhs, rhs)
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                preferred_element_type=preferred_element_type, **kwargs)
 
@@ -95,8 +82,8 @@ def project(x, *layers):
     the thread pool for all the weights); layers the loader swapped for quantized ones run alone."""
     if all(type(layer) is nnx.Linear for layer in layers):
         kernels = [layer.kernel[...] for layer in layers]
-        if _few_rows_kernel(x, kernels):
-            outs = cpu_kernels.matmuls(x, kernels)
+        if cpu.runs("matmul", x, *kernels):
+            outs = cpu.matmuls(x, kernels)
             return tuple(out if layer.bias is None else out + layer.bias[...] for out, layer in zip(outs, layers))
     return tuple(layer(x) for layer in layers)
 

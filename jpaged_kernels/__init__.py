@@ -1,0 +1,41 @@
+"""The kernels of jpaged's paged KV cache, importable without ``jpaged``.
+
+- ``pallas/``: the Pallas kernels, Mosaic on TPU and Triton on GPU (``paged_attention``,
+  ``ragged_paged_attention``, ``write_kv``, ``copy_blocks``); each takes ``backend=`` (``None`` /
+  ``"auto"``: the kernel of the platform being lowered for, the jnp path elsewhere; ``"tpu"``,
+  ``"gpu"``, ``"xla"``) and ``interpret=True`` to run the Pallas kernel on any host.
+- ``jnp/``: the jnp paged attention and cache updates, each with its kernel's signature
+  (suffix ``_reference``): the ``xla`` backend, and what the kernels are tested against.
+- ``cpu/``: C++ kernels for the CPU (XLA FFI custom calls, built on first use).
+- ``quant.py``: 8-bit KV pages (int8 or float8_e4m3fn) with a scale per (token, kv head).
+
+Pool layout, shared by all: ``k_pages``/``v_pages`` ``[num_kv_heads, num_blocks, block_size,
+head_dim]`` (with 8-bit pages also ``k_scales``/``v_scales`` ``[num_kv_heads, num_blocks,
+block_size]``); slot ``= block_id * block_size + offset``; block tables int32 ``[num_seqs,
+max_blocks_per_seq]``.
+"""
+
+from jpaged_kernels import quant
+from jpaged_kernels.jnp import (
+    copy_blocks_reference, paged_attention_reference, ragged_paged_attention_reference,
+    write_kv_reference)
+from jpaged_kernels.pallas import (
+    EXPORT_DISABLED_CHECKS, copy_blocks, paged_attention, ragged_paged_attention, write_kv)
+from jpaged_kernels.quant import KV_DTYPES, SCALE_DTYPE, dequantize, quantize
+
+__all__ = [
+    "EXPORT_DISABLED_CHECKS",
+    "KV_DTYPES",
+    "SCALE_DTYPE",
+    "copy_blocks",
+    "copy_blocks_reference",
+    "dequantize",
+    "paged_attention",
+    "paged_attention_reference",
+    "quant",
+    "quantize",
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
+    "write_kv",
+    "write_kv_reference",
+]

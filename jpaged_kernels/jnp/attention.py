@@ -1,0 +1,280 @@
+"""The jnp paged attention: the CPU path where the C++ kernel does not run, the ``xla`` backend of
+every kernel, and what the Pallas kernels are tested against.
+
+Every function here has the same signature as its kernel, so tests and callers can swap one for the
+other; ``backend="xla"`` (and the auto choice on CPU) of each kernel is the function here, and so is
+the engine's ``attention_backend="xla"``. They are checked against plain numpy loops in
+``tests/test_kernels.py``.
+
+Attention does work in proportion to each sequence's real context, not to the padded batch:
+
+* The flat batch is split into query chunks of one sequence each: every sequence with one new
+  token (decode) is a chunk of width 1; a sequence with more is cut into chunks of
+  ``num_queries_per_block`` tokens (prefill). The split is computed in the graph from
+  ``query_start_loc`` and ``seq_lens``, so it needs no metadata beyond the kernels'.
+* Chunks are sorted longest context first and processed a batch at a time: decode rows in batches
+  of ``DECODE_ROWS``, prefill chunks in batches of ``PREFILL_BATCH``, in a dynamic loop over the
+  real ones (with a single batch, the longest chunk runs alone, so it never makes the short ones
+  loop long). For a batch, a loop walks its block tables ``pages_per_compute_block`` blocks at a
+  time with an online (flash) softmax; its trip count is ``ceil(longest context in the batch /
+  (pages * block_size))``, computed at run time. Both loop counts are dynamic
+  (``lax.while_loop``), so padding rows, an empty prefill part and unused block-table columns cost
+  nothing, and none adds a shape to compile; sorted batches make each row's work track its own
+  context, not the step's longest.
+
+Layout (shared with the kernels):
+    k_pages, v_pages: ``[num_kv_heads, num_blocks, block_size, head_dim]``.
+    k_scales, v_scales (8-bit pages only, see ``quant.py``): ``[num_kv_heads, num_blocks,
+    block_size]``; attention dequantizes the gathered pages.
+    block_tables: int32 ``[num_seqs, max_blocks_per_seq]``.
+    Query head ``h`` reads kv head ``h // (num_q_heads // num_kv_heads)``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from jpaged_kernels import quant
+from jpaged_kernels.shapes import DEFAULT_MASK_VALUE, cdiv
+
+# CPU defaults, measured with scripts/benchmark_kernels.py (README "Kernels").
+PAGES_PER_STEP = 4       # blocks per online-softmax step
+PREFILL_CHUNK = 16       # query tokens per prefill chunk
+PREFILL_BATCH = 8        # prefill chunks per batch
+DECODE_ROWS = 8          # decode rows per batch
+
+
+def _attend_chunks(out, q, k_pages, v_pages, tables, first_token, first_pos,
+                   length, num_chunks, *, width, rows, pages, scale,
+                   k_scales=None, v_scales=None):
+    """Writes the attention of ``num_chunks`` query chunks into ``out``.
+
+    Args:
+      out: float32 ``[num_tokens, num_q_heads, head_dim]``.
+      q: ``[num_tokens, num_q_heads, head_dim]``.
+      tables: int32 ``[C, max_blocks]``, the block table of each chunk's
+        sequence.
+      first_token, first_pos, length: int32 ``[C]``: chunk ``c`` is the
+        ``length[c]`` flat tokens from ``first_token[c]``, at positions
+        ``first_pos[c] + i``; each attends causally to keys ``0 .. position``.
+        Real chunks come first, longest context first.
+      num_chunks: int32 scalar; chunks at/after it are not computed.
+      width: static chunk width (>= every length).
+      rows: most chunks per batch; pages: blocks per online-softmax step.
+      k_scales, v_scales: None, or the scales of 8-bit pages.
+
+    Returns:
+      ``out`` with the chunks' rows set (float32).
+    """
+    num_tokens, hq, d = q.shape
+    hkv, _, bs, _ = k_pages.shape
+    group = hq // hkv
+    bk = pages * bs
+    q = jnp.concatenate([q.astype(jnp.float32), jnp.zeros((1, hq, d), jnp.float32)])
+    offsets = jnp.arange(width, dtype=jnp.int32)
+    num_max = tables.shape[0]
+    looped = num_max > rows
+    pad = lambda x: jnp.pad(x, ((0, -num_max % rows if looped else 0),)  # noqa: E731
+                            + ((0, 0),) * (x.ndim - 1))
+    tables = jnp.pad(tables, ((0, 0), (0, -tables.shape[1] % pages)))
+    tables, first_token, first_pos, length = map(
+        pad, (tables, first_token, first_pos, length))
+
+    def batch(start, size, b, out):
+        take = lambda x: lax.dynamic_slice_in_dim(x, start + b * size, size)  # noqa: E731
+        table, first, pos0, n = (take(x) for x in (tables, first_token, first_pos,
+                                                   length))
+        valid = offsets[None, :] < n[:, None]                          # [R, W]
+        tokens = jnp.where(valid, first[:, None] + offsets, num_tokens)
+        q_pos = pos0[:, None] + offsets                                # [R, W]
+        kv_len = jnp.where(n > 0, pos0 + n, 0)                         # [R]
+        qb = q[tokens].reshape(size, width, hkv, group, d)
+        qb = qb.transpose(2, 0, 3, 1, 4).reshape(hkv, size, group * width, d)
+        q_pos = jnp.tile(q_pos, (1, group))                            # [R, G*W]
+        valid = jnp.tile(valid, (1, group))
+
+        def step(j, carry):
+            m_prev, l_prev, acc_prev = carry
+            ids = lax.dynamic_slice_in_dim(table, j * pages, pages, axis=1)  # [R, P]
+            k = k_pages[:, ids].reshape(hkv, size, bk, d).astype(jnp.float32)
+            v = v_pages[:, ids].reshape(hkv, size, bk, d).astype(jnp.float32)
+            if k_scales is not None:  # 8-bit pages: one scale per (head, token)
+                k = k * k_scales[:, ids].reshape(hkv, size, bk, 1).astype(jnp.float32)
+                v = v * v_scales[:, ids].reshape(hkv, size, bk, 1).astype(jnp.float32)
+            k_pos = j * bk + jnp.arange(bk, dtype=jnp.int32)
+            v = jnp.where((k_pos[None, :] < kv_len[:, None])[None, :, :, None], v, 0.0)
+            s = jnp.einsum("hrqd,hrkd->hrqk", qb, k) * scale            # [H,R,G*W,K]
+            mask = ((k_pos[None, None, :] <= q_pos[:, :, None])
+                    & valid[:, :, None])[None]                           # [1,R,G*W,K]
+            s = jnp.where(mask, s, DEFAULT_MASK_VALUE)
+            m = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))
+            p = jnp.where(mask, jnp.exp(s - m), 0.0)
+            alpha = jnp.exp(m_prev - m)
+            l = alpha * l_prev + jnp.sum(p, axis=-1, keepdims=True)
+            acc = alpha * acc_prev + jnp.einsum("hrqk,hrkd->hrqd", p, v)
+            return m, l, acc
+
+        shape = (hkv, size, group * width)
+        init = (jnp.full(shape + (1,), -jnp.inf, jnp.float32),
+                jnp.zeros(shape + (1,), jnp.float32),
+                jnp.zeros(shape + (d,), jnp.float32))
+        _, l, acc = lax.fori_loop(0, cdiv(jnp.max(kv_len), bk), step, init)
+        o = jnp.where(l > 0, acc / jnp.where(l > 0, l, 1.0), 0.0)
+        o = o.reshape(hkv, size, group, width, d).transpose(1, 3, 0, 2, 4)
+        o = o.reshape(size * width, hq, d)
+        return out.at[tokens.reshape(-1)].set(o, mode="drop")
+
+    if looped:  # batches of `rows` chunks
+        return lax.fori_loop(0, cdiv(num_chunks, rows),
+                             functools.partial(batch, 0, rows), out)
+    # One batch, but the first (longest) chunk alone, so that it never makes
+    # the short ones loop long and a lone chunk computes no padding.
+    out = batch(0, 1, 0, out)
+    return batch(1, num_max - 1, 0, out) if num_max > 1 else out
+
+
+def ragged_attention(q, k_pages, v_pages, block_tables, seq_lens,
+                     query_start_loc, num_seqs, *, scale,
+                     prefill_chunk=PREFILL_CHUNK, pages=PAGES_PER_STEP,
+                     prefill_batch=PREFILL_BATCH, k_scales=None,
+                     v_scales=None, decode_attention=None):
+    """The work split of the module docstring; arguments as in
+    `ragged_paged_attention_reference`."""
+    num_tokens = q.shape[0]
+    max_seqs = block_tables.shape[0]
+    num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
+    real = jnp.arange(max_seqs) < num_seqs
+    qsl = query_start_loc.astype(jnp.int32)
+    seq_lens = seq_lens.astype(jnp.int32)
+    tables = block_tables.astype(jnp.int32)
+    q_len = jnp.where(real, qsl[1:] - qsl[:-1], 0)
+    if decode_attention is not None:  # e.g. cpu_kernels.paged_decode
+        out = decode_attention(q, k_pages, v_pages, tables, seq_lens, qsl, num_seqs,
+                               scale=scale).astype(jnp.float32)
+    else:  # one chunk of width 1 per sequence with one query, longest first
+        is_decode = q_len == 1
+        order = jnp.argsort(jnp.where(is_decode, -seq_lens, 1))
+        out = _attend_chunks(
+            jnp.zeros(q.shape, jnp.float32), q, k_pages, v_pages, tables[order],
+            qsl[order], seq_lens[order] - 1, is_decode[order].astype(jnp.int32),
+            jnp.sum(is_decode), width=1, rows=DECODE_ROWS, pages=pages,
+            scale=scale, k_scales=k_scales, v_scales=v_scales)
+
+    # Prefill: chunks of `prefill_chunk` tokens, longest context first.
+    # Sequence s has ceil(q_len / W) of them; the static count bounds every
+    # batch of num_tokens tokens.
+    w = min(prefill_chunk, num_tokens)
+    counts = jnp.where(q_len > 1, cdiv(q_len, w), 0)
+    ends = jnp.cumsum(counts)
+    max_chunks = cdiv(num_tokens, w) + min(max_seqs, num_tokens // 2)
+    c = jnp.arange(max_chunks, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, c, side="right"), max_seqs - 1)
+    offset = (c - (ends - counts)[seq]) * w
+    length = jnp.where(c < ends[-1], jnp.clip(q_len[seq] - offset, 0, w), 0)
+    first_pos = seq_lens[seq] - q_len[seq] + offset
+    order = jnp.argsort(jnp.where(length > 0, -(first_pos + length), 1))
+    return _attend_chunks(
+        out, q, k_pages, v_pages, tables[seq][order], (qsl[seq] + offset)[order],
+        first_pos[order], length[order], ends[-1], width=w, rows=prefill_batch,
+        pages=pages, scale=scale, k_scales=k_scales, v_scales=v_scales)
+
+
+def paged_attention_reference(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    scale: float,
+    pages_per_compute_block: int | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+    backend: str | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Decode attention: one query token per sequence.
+
+    Args:
+      q: ``[num_seqs, num_q_heads, head_dim]``.
+      k_pages, v_pages: ``[num_kv_heads, num_blocks, block_size, head_dim]``.
+      block_tables: int32 ``[num_seqs, max_blocks_per_seq]``.
+      seq_lens: int32 ``[num_seqs]``; query ``s`` attends to positions
+        ``0 .. seq_lens[s] - 1``. Zero gives a zero output row.
+      scale: softmax scale applied to ``q @ k``.
+      pages_per_compute_block: blocks per online-softmax step (default
+        ``PAGES_PER_STEP``).
+      k_scales, v_scales: ``[num_kv_heads, num_blocks, block_size]`` with
+        8-bit pages (``quant.py``), else None.
+      backend, interpret: ignored (kernel knobs).
+
+    Returns:
+      ``[num_seqs, num_q_heads, head_dim]`` in ``q.dtype``.
+    """
+    del backend, interpret
+    num_seqs = q.shape[0]
+    qsl = jnp.arange(num_seqs + 1, dtype=jnp.int32)
+    return ragged_paged_attention_reference(
+        q, k_pages, v_pages, block_tables, seq_lens, qsl, num_seqs, scale=scale,
+        pages_per_compute_block=pages_per_compute_block, k_scales=k_scales,
+        v_scales=v_scales)
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    query_start_loc: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    scale: float,
+    num_queries_per_block: int | None = None,
+    pages_per_compute_block: int | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+    decode_attention=None,
+    backend: str | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Mixed prefill + decode attention over a flat batch of tokens.
+
+    Args:
+      q: ``[num_tokens, num_q_heads, head_dim]``; rows
+        ``query_start_loc[s]:query_start_loc[s + 1]`` belong to sequence ``s``.
+      k_pages, v_pages: ``[num_kv_heads, num_blocks, block_size, head_dim]``,
+        already holding the new tokens' K/V.
+      block_tables: int32 ``[max_seqs, max_blocks_per_seq]``.
+      seq_lens: int32 ``[max_seqs]``, context length including the new tokens.
+      query_start_loc: int32 ``[max_seqs + 1]``.
+      num_seqs: int32 scalar or ``[1]``.
+      scale: softmax scale.
+      num_queries_per_block: tokens per prefill chunk (default
+        ``PREFILL_CHUNK``).
+      pages_per_compute_block: blocks per online-softmax step (default
+        ``PAGES_PER_STEP``).
+      k_scales, v_scales: ``[num_kv_heads, num_blocks, block_size]`` with
+        8-bit pages (``quant.py``), else None.
+      decode_attention: None (the jnp loops), or a function with this
+        function's leading arguments and ``scale=`` that returns every decode
+        row's attention and zeros elsewhere (``cpu_kernels.paged_decode``).
+      backend, interpret: ignored (kernel knobs).
+
+    Returns:
+      ``[num_tokens, num_q_heads, head_dim]`` in ``q.dtype``; row ``i`` of
+      sequence ``s`` sits at position ``seq_lens[s] - q_len + i`` and attends
+      causally; padding rows are zeros.
+    """
+    del backend, interpret
+    quant.pools_of(k_pages, v_pages, k_scales, v_scales)
+    out = ragged_attention(
+        q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, num_seqs,
+        scale=scale, prefill_chunk=num_queries_per_block or PREFILL_CHUNK,
+        pages=pages_per_compute_block or PAGES_PER_STEP, k_scales=k_scales,
+        v_scales=v_scales, decode_attention=decode_attention)
+    return out.astype(q.dtype)
