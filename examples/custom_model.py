@@ -3,7 +3,7 @@
 `SquaredReluLM` is a Llama variant written from scratch with jpaged's building blocks:
 
 - its own attention module (one fused QKV projection, rotary embeddings from `jpaged.models.llama`)
-  that calls `jpaged.attention.PagedAttention` with the engine's `AttentionMetadata`;
+  that calls `jpaged.models.attention.PagedAttention` with the engine's `AttentionMetadata`;
 - a different MLP: squared ReLU (Primer, So et al. 2021) instead of SwiGLU;
 - its own names for everything (``blocks``, ``attention``, ``embed``...), and optional tied embeddings.
 
@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from jpaged import LLM, SamplingParams
-from jpaged.attention import AttentionMetadata, PagedAttention
+from jpaged.models.attention import AttentionMetadata, PagedAttention
 from jpaged.models import ModelConfig
 from jpaged.models.layers import RMSNorm, apply_rope, rope_inv_freq
 from jpaged.models.training import greedy_generate

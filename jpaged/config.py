@@ -1,9 +1,12 @@
-"""Engine settings as dataclasses, each validated once at construction."""
+"""Engine settings as dataclasses, each validated once at construction, and `engine_config`, which
+builds them from `LLM`'s keyword arguments."""
+import dataclasses
 from dataclasses import dataclass, field
 
-import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}  # by EngineConfig.dtype name
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}  # by EngineConfig.dtype name
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # CacheConfig.kv_cache_dtype; 8-bit: jpaged_kernels/quant.py
 QUANTIZATIONS = ("int8", "gguf")  # EngineConfig.quantization values besides None
 
@@ -135,3 +138,22 @@ class EngineConfig:
             _fail("EngineConfig", "data_parallel_size", self.data_parallel_size, "must be an integer >= 1")
         if not (isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1):
             _fail("EngineConfig", "tensor_parallel_size", self.tensor_parallel_size, "must be an integer >= 1")
+
+
+def _field_names(cls, *exclude) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)} - set(exclude)
+
+
+def engine_config(model: str | None = None, **kwargs) -> EngineConfig:
+    """A validated EngineConfig from LLM-style keyword arguments (a preset's settings filled in)."""
+    from jpaged.loading import presets
+
+    model, kwargs = presets.resolve(model, kwargs)
+    cache_keys, scheduler_keys = _field_names(CacheConfig), _field_names(SchedulerConfig)
+    engine_keys = _field_names(EngineConfig, "model", "cache", "scheduler")
+    unknown = set(kwargs) - cache_keys - scheduler_keys - engine_keys
+    if unknown:
+        raise ValueError(f"unknown engine argument(s): {sorted(unknown)}")
+    pick = lambda keys: {k: v for k, v in kwargs.items() if k in keys}  # noqa: E731
+    return EngineConfig(model=model, cache=CacheConfig(**pick(cache_keys)),
+                        scheduler=SchedulerConfig(**pick(scheduler_keys)), **pick(engine_keys))

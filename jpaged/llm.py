@@ -3,49 +3,23 @@
 An `LLM` may be called from several threads: calls run one at a time (a lock), each over its own
 requests. A call that fails or is interrupted aborts its requests, so no blocks are left behind.
 """
-import dataclasses
 import threading
 import time
 
 from tqdm.auto import tqdm
 
-from jpaged import presets
-from jpaged.config import CacheConfig, EngineConfig, SchedulerConfig
-from jpaged.engine import LLMEngine
+from jpaged.config import engine_config
+from jpaged.engine import create_engine
+from jpaged.engine.llm_engine import LLMEngine
 from jpaged.outputs import BeamSearchOutput, BeamSequence, RequestOutput
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
-
-
-def _field_names(cls, *exclude) -> set[str]:
-    return {f.name for f in dataclasses.fields(cls)} - set(exclude)
-
-
-_CACHE_KEYS = _field_names(CacheConfig)
-_SCHEDULER_KEYS = _field_names(SchedulerConfig)
-_ENGINE_KEYS = _field_names(EngineConfig, "model", "cache", "scheduler")
-
-
-def engine_config(model: str | None = None, **kwargs) -> EngineConfig:
-    """Builds a validated EngineConfig from LLM-style keyword arguments (presets resolved)."""
-    model, kwargs = presets.resolve(model, kwargs)
-    unknown = set(kwargs) - _CACHE_KEYS - _SCHEDULER_KEYS - _ENGINE_KEYS
-    if unknown:
-        raise ValueError(f"unknown engine argument(s): {sorted(unknown)}")
-    pick = lambda keys: {k: v for k, v in kwargs.items() if k in keys}  # noqa: E731
-    return EngineConfig(model=model, cache=CacheConfig(**pick(_CACHE_KEYS)),
-                        scheduler=SchedulerConfig(**pick(_SCHEDULER_KEYS)), **pick(_ENGINE_KEYS))
 
 
 class LLM:
     """Offline batch generation. ``LLM()`` serves the embedded SmolLM2-135M-Instruct."""
 
     def __init__(self, model: str | None = None, **kwargs):
-        config = engine_config(model, **kwargs)
-        if config.data_parallel_size > 1:
-            from jpaged.data_parallel import DataParallelEngine
-            self.llm_engine = DataParallelEngine(config, config.data_parallel_size)
-        else:
-            self.llm_engine = LLMEngine(config)
+        self.llm_engine = create_engine(engine_config(model, **kwargs))
         self._next_id = 0
         self._lock = threading.Lock()
 
@@ -61,7 +35,7 @@ class LLM:
 
         ``model`` has the jpaged model interface (``.config`` a ModelConfig, ``__call__(input_ids,
         positions, kv_caches, md)``, ``compute_logits``), e.g. a `jpaged.models` class or a custom
-        one built on `jpaged.attention.PagedAttention`. ``tokenizer``: a transformers or
+        one built on `jpaged.models.attention.PagedAttention`. ``tokenizer``: a transformers or
         `tokenizers` tokenizer, or None (then prompts are token ids). ``kwargs``: the engine
         settings of ``LLM(...)``; ``dtype`` (the KV cache's) defaults to the model's parameter
         dtype. The attention backend is the one the model was built with.
@@ -117,7 +91,7 @@ class LLM:
         """Generates replies to one conversation (a list of ``{"role", "content"}`` dicts) or to a
         list of them, each rendered with ``chat_template`` or the tokenizer's own (GGUF metadata or
         ``tokenizer_config.json``); ValueError when there is none. One output per conversation."""
-        from jpaged.chat import apply_chat_template, is_conversation
+        from jpaged.engine.chat_template import apply_chat_template, is_conversation
 
         conversations = [messages] if is_conversation(messages) else list(messages)
         if not conversations:
@@ -151,22 +125,18 @@ class LLM:
                     self.llm_engine.abort_request(request_id)
 
     def _add_all(self, prompts, params) -> list[str]:
-        """Tokenizes and validates every prompt first (a bad one raises and nothing is queued), then queues."""
+        """Processes every prompt first (a bad one raises and nothing is queued), then queues them."""
         engine = self.llm_engine
-        tokenized = []
+        requests = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
-                text, token_ids, salt = engine.tokenize(prompt)
-                engine.validate(token_ids, p)
+                requests.append(engine.process(str(self._next_id + i), prompt, p))
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
-            tokenized.append({"prompt": text, "prompt_token_ids": token_ids, "cache_salt": salt})
-        ids = []
-        for prompt, p in zip(tokenized, params):
-            ids.append(str(self._next_id))
-            engine.add_request(ids[-1], prompt, p)
-            self._next_id += 1
-        return ids
+        self._next_id += len(requests)
+        for request in requests:
+            engine.add_request(request)
+        return [r.request_id for r in requests]
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -1,8 +1,8 @@
 """Per-request generation settings, validated once when the request is made.
 
 Every field is type-checked: a bad value raises ``ValueError`` naming the field. Checks that need
-the model (token ids inside the vocabulary, ``bad_words`` tokenized, grammars compiled) are in
-``validate_for_vocab``, which the engine calls when a request is added.
+the model's vocabulary are in ``validate_for_vocab``; the engine's input processor runs them, and
+tokenizes ``bad_words`` and compiles ``structured_outputs``, when a request is added.
 
 From an OpenAI request (the server's mapping): ``temperature``, ``top_p``, ``n``, ``seed``,
 ``stop``, ``presence_penalty``, ``frequency_penalty``, ``max_tokens`` / ``max_completion_tokens``
@@ -195,9 +195,10 @@ class SamplingParams:
               "structured_outputs", "must be a StructuredOutputsParams (or a dict of its fields)")
 
     def validate_for_vocab(self, vocab_size: int, tokenizer=None) -> None:
-        """The checks that need the model: token ids inside ``[0, vocab_size)``, ``logprobs`` at most
-        the vocabulary; tokenizes ``bad_words`` and compiles ``structured_outputs`` (both need
-        ``tokenizer``). Raises ValueError before any device work."""
+        """The checks that need the model: token ids inside ``[0, vocab_size)``, ``logprobs`` at
+        most the vocabulary, a ``tokenizer`` for ``bad_words`` and ``structured_outputs``. Raises
+        ValueError before any device work (the engine's input processor then tokenizes
+        ``bad_words`` and compiles ``structured_outputs``)."""
         def check(ok, name, why):
             if not ok:
                 raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
@@ -210,15 +211,9 @@ class SamplingParams:
               f"token ids must be below the vocabulary size {vocab_size}")
         check(not self.allowed_token_ids or max(self.allowed_token_ids) < vocab_size, "allowed_token_ids",
               f"token ids must be below the vocabulary size {vocab_size}")
-        self._bad_word_ids = []
-        if self.bad_words:
-            check(tokenizer is not None, "bad_words", "needs a tokenizer (the model has none)")
-            self._bad_word_ids = bad_word_token_ids(self.bad_words, tokenizer)
-        self._grammar = None
-        if self.structured_outputs is not None:
-            check(tokenizer is not None, "structured_outputs", "needs a tokenizer (the model has none)")
-            from jpaged import structured_output
-            self._grammar = structured_output.compile_grammar(self.structured_outputs, tokenizer, vocab_size)
+        check(not self.bad_words or tokenizer is not None, "bad_words", "needs a tokenizer (the model has none)")
+        check(self.structured_outputs is None or tokenizer is not None, "structured_outputs",
+              "needs a tokenizer (the model has none)")
 
     @property
     def uses_penalties(self) -> bool:

@@ -138,6 +138,10 @@ POOL = P(MODEL_AXIS)
 REPLICATED = P()
 
 
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
 def kv_pool_sharding(mesh: Mesh, ndim: int = 4) -> NamedSharding:
     """A pool array (pages, or the scales of 8-bit pages) split on its leading head axis."""
     return NamedSharding(mesh, P(MODEL_AXIS, *[None] * (ndim - 1)))

@@ -31,7 +31,7 @@ from absl import app, flags
 from bench_common import CACHE_DIR, COMPILE_SECONDS, bench_model_dir
 from workloads import make_workload
 from jpaged import LLM, BeamSearchParams, SamplingParams
-from jpaged.step_timing import StepTimings
+from jpaged.engine.step_timing import StepTimings
 
 ALLOCATORS = ("paged", "max", "pow2", "oracle")
 

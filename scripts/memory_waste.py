@@ -35,7 +35,7 @@ from workloads import make_workload
 from jpaged.config import SchedulerConfig
 from jpaged.core.kv_cache_manager import KVCacheManager
 from jpaged.core.scheduler import Scheduler
-from jpaged.request import Request
+from jpaged.core.request import Request
 from jpaged.sampling_params import SamplingParams
 
 ALLOCATORS = ("paged", "max", "pow2", "oracle")

@@ -3,7 +3,7 @@ import pytest
 
 from conftest import byte_tokenizer
 from jpaged import LLM, SamplingParams
-from jpaged.chat import apply_chat_template
+from jpaged.engine.chat_template import apply_chat_template
 
 TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}[assistant] {% endif %}")

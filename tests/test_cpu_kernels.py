@@ -101,7 +101,7 @@ def test_without_a_compiler_the_jnp_path_serves(monkeypatch):
 
 
 def test_greedy_matches_argmax_and_logsumexp_with_ties_nan_and_infinities():
-    from jpaged.sampler import argmax
+    from jpaged.sample.sampler import argmax
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((7, 1000)).astype(np.float32) * 4
     logits[1, [5, 600]] = 50.0  # a tie: the first index wins
@@ -122,10 +122,10 @@ def test_greedy_matches_argmax_and_logsumexp_with_ties_nan_and_infinities():
 
 
 def test_greedy_sampling_through_the_kernel_equals_the_jnp_path(monkeypatch):
-    from jpaged import sampler
-    from jpaged.sampling_batch import build_sampling_tensors
+    from jpaged.sample import sampler
+    from jpaged.sample.sampling_batch import SamplingBatch
     logits = jnp.asarray(np.random.default_rng(1).standard_normal((6, 300)).astype(np.float32))
-    tensors = build_sampling_tensors([], 6, 0)
+    tensors = sampler.sampling_tensors(SamplingBatch(), 6)
     tensors.all_greedy, tensors.num_logprobs = True, 3
     with_kernel = jax.jit(sampler.sample)(logits, tensors)
     monkeypatch.setattr(library, "available", lambda: False)

@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 from jpaged.core.block_pool import BlockPool
 from jpaged.core.kv_cache_manager import KVCacheManager
 from jpaged.utils import cdiv
-from jpaged.request import Sequence
+from jpaged.core.request import Sequence
 
 
 def check(manager: KVCacheManager, seqs):

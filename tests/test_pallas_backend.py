@@ -7,7 +7,7 @@ import pytest
 
 from conftest import random_prompts
 from jpaged import LLM, SamplingParams
-from jpaged.attention import BACKENDS, make_attention_metadata
+from jpaged.models.attention import BACKENDS, make_attention_metadata
 
 
 def test_pallas_backend_matches_xla(llama_dir):

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from jpaged import presets
+from jpaged.loading import presets
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,7 +44,7 @@ def test_non_editable_install_ships_the_presets(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                     "--target", str(target), str(src)], check=True, timeout=600, capture_output=True)
     assert (target / "jpaged" / "configs" / "smollm2-135m-instruct.json").is_file()
-    code = ("import jpaged, jpaged.presets as p; assert jpaged.__file__.startswith(%r), jpaged.__file__; "
+    code = ("import jpaged, jpaged.loading.presets as p; assert jpaged.__file__.startswith(%r), jpaged.__file__; "
             "print(p.resolve('smollm2-135m-instruct', {})[1]['max_model_len'])" % str(target))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                             cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(target)})

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from jpaged import LLM, BeamSearchParams, SamplingParams
-from jpaged.engine import LLMEngine
-from jpaged.llm import engine_config
+from jpaged.engine.llm_engine import LLMEngine
+from jpaged.config import engine_config
 
 
 def tiny_model(vocab_size=64, num_layers=1, seed=0):
@@ -47,7 +47,8 @@ def assert_clean(llm: LLM):
     assert m["num_free_blocks"] == m["num_total_blocks"], "blocks leaked"
     engine.kv_cache.pool.check_invariants()
     assert not engine.requests and not engine.scheduler.running and not engine.scheduler.waiting
-    assert not engine.kv_cache.block_tables and not engine.scheduler.swapped and not engine.runner.host_blocks
+    assert not engine.kv_cache.block_tables and not engine.scheduler.swap_space.swapped
+    assert engine.scheduler.swap_space.num_used_blocks == 0
 
 
 def greedy_reference(model, prompt, max_tokens):
@@ -108,18 +109,18 @@ def test_a_lost_kv_pool_is_rebuilt_and_running_requests_recompute(model, monkeyp
     engine.add_request("a", short_prompt, greedy)
     engine.step()  # "a" is now decoding
     runner = engine.runner
-    real_forward = runner._forward
+    real_forward = runner._run
 
-    def forward_then_fail(state, kv_caches, *args):
-        real_forward(state, kv_caches, *args)  # consumes the donated pool
+    def forward_then_fail(*args):
+        real_forward(*args)  # consumes the donated pool
         raise RuntimeError("failed after donation")
 
-    monkeypatch.setattr(runner, "_forward", forward_then_fail)
+    monkeypatch.setattr(runner, "_run", forward_then_fail)
     engine.add_request("b", long_prompt, greedy)
     outs = engine.step()
-    monkeypatch.setattr(runner, "_forward", real_forward)
+    monkeypatch.setattr(runner, "_run", real_forward)
     assert {o.request_id: o.outputs[0].finish_reason for o in outs} == {"a": "error", "b": "error"}
-    assert not runner.kv_pool_lost()
+    assert not runner.kv_pool.lost()
     outs = llm.generate([short_prompt, long_prompt], greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [greedy_reference(model, p, 6) for p in (short_prompt, long_prompt)]
     assert_clean(llm)
@@ -338,7 +339,7 @@ class EngineMachine(RuleBasedStateMachine):
                 holders[b] += 1
         assert holders == kv.pool.ref_counts
         assert set(kv.block_tables) <= {s.seq_id for s in live}
-        assert set(self.engine.scheduler.swapped) <= set(self.engine.requests)
+        assert set(self.engine.scheduler.swap_space.swapped) <= set(self.engine.requests)
         queued = list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting)
         assert sorted(r.request_id for r in queued) == sorted(self.engine.requests)
 

@@ -7,7 +7,8 @@ from jpaged.config import SchedulerConfig
 from jpaged.core.block_pool import NoFreeBlocksError
 from jpaged.core.reservation import ContiguousPool, ReservationKVCacheManager
 from jpaged.core.scheduler import Scheduler
-from jpaged.request import Request, Sequence
+from jpaged.runner.model_runner import StepResult
+from jpaged.core.request import Request, Sequence
 from jpaged.sampling_params import SamplingParams
 from jpaged.utils import next_power_of_two as next_pow2
 
@@ -136,7 +137,7 @@ def test_scheduler_admits_by_contiguous_runs_and_never_preempts():
         sched.add_request(r)
         reqs.append(r)
     out = sched.schedule()
-    assert [sr.request.request_id for sr in out.requests] == ["0", "1", "2", "3"]
+    assert [sr.request_id for sr in out.requests] == ["0", "1", "2", "3"]
     assert kv.pool.num_free_blocks == 0
     while True:
         update_with_token(sched, out, 1)
@@ -163,18 +164,18 @@ def test_scheduler_blocks_on_external_fragmentation():
     sched.finish(a)                                     # holes: 0-1 and 8-9 (4 free blocks)
     d = add(3, 8, 8)                                    # needs 4 contiguous
     out = sched.schedule()
-    assert d not in [sr.request for sr in out.requests] and list(sched.waiting) == [d]
+    assert d.request_id not in [sr.request_id for sr in out.requests] and list(sched.waiting) == [d]
     assert kv.pool.num_free_blocks == 4 and kv.external_fragmentation(d.seqs[0]) == 4
     sched.finish(c)                                     # 6-9 free now: it fits
     out = sched.schedule()
-    assert d in [sr.request for sr in out.requests] and kv.reserved_blocks(d.seqs[0]) == [6, 7, 8, 9]
+    assert d.request_id in [sr.request_id for sr in out.requests] and kv.reserved_blocks(d.seqs[0]) == [6, 7, 8, 9]
     del b
 
 
 def update_with_token(sched, out, token):
     """Applies a step in which every sample row drew ``token``."""
     n = len(out.sample_rows)
-    sched.update_from_output(out, [token] * n, [0.0] * n, [[]] * n, [[]] * n)
+    sched.update_from_output(out, StepResult([token] * n, [0.0] * n, [[]] * n, [[]] * n))
 
 
 def tiny_llama():
@@ -194,8 +195,8 @@ def tiny_llama():
 def test_engine_runs_each_allocator_with_paged_tokens():
     """Same model, kernels and scheduler: greedy tokens do not depend on the allocator."""
     from jpaged import LLM
-    from jpaged.engine import LLMEngine
-    from jpaged.llm import engine_config
+    from jpaged.engine.llm_engine import LLMEngine
+    from jpaged.config import engine_config
 
     model = tiny_llama()
     prompts = [[3 + i, 40, 50 + i, 9] * (i + 1) for i in range(3)]

@@ -1,4 +1,4 @@
-"""Exact-boundary unit tests of each stage of `jpaged.sampler`, and of the host-side batch builder."""
+"""Exact-boundary unit tests of each stage of `jpaged.sample.sampler`, and of the host-side batch builder."""
 import types
 
 import jax
@@ -6,9 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jpaged import sampler
-from jpaged.sampler import SamplingTensors
-from jpaged.sampling_batch import banned_tokens, build_sampling_tensors
+from jpaged.sample import sampler
+from jpaged.sample.sampler import SamplingTensors
+from jpaged.sample.sampling_batch import banned_tokens, build_sampling_batch
+
+
+def build_sampling_tensors(rows, s_pad, seed):
+    return sampler.sampling_tensors(build_sampling_batch([(r.request, r.seq, r.sample_index) for r in rows], seed), s_pad)
 
 
 def tensors(num_rows, **kw):
@@ -153,9 +157,8 @@ def test_num_logprobs_bucket_wider_than_vocabulary():
 
 
 def _row(output, prompt=(1, 2), *, min_tokens=0, bad=(), eos=(9,), stop_ids=()):
-    p = types.SimpleNamespace(min_tokens=min_tokens, stop_token_ids=list(stop_ids),
-                              _bad_word_ids=[list(w) for w in bad])
-    request = types.SimpleNamespace(sampling_params=p, eos_token_ids=eos)
+    p = types.SimpleNamespace(min_tokens=min_tokens, stop_token_ids=list(stop_ids))
+    request = types.SimpleNamespace(sampling_params=p, eos_token_ids=eos, bad_word_ids=[list(w) for w in bad])
     seq = types.SimpleNamespace(output_token_ids=list(output), num_output_tokens=len(output))
     return request, seq
 
@@ -175,7 +178,8 @@ def test_build_sampling_tensors_pads_and_skips_unused_options():
     from jpaged import SamplingParams
 
     def row(params, i=0):
-        request = types.SimpleNamespace(sampling_params=params, request_id=f"r{i}", eos_token_ids=(2,))
+        request = types.SimpleNamespace(sampling_params=params, request_id=f"r{i}", eos_token_ids=(2,), grammar=None,
+                                        bad_word_ids=[])
         seq = types.SimpleNamespace(seq_id=i, token_ids=[5, 6, 7], num_prompt_tokens=2, output_token_ids=[7],
                                     num_output_tokens=1, structured=None)
         return types.SimpleNamespace(request=request, seq=seq, sample_index=0)

@@ -4,7 +4,7 @@ setting defines.
 The model is a tiny Llama whose layers are all zero, every embedding row is ones and each lm_head
 row is constant, so at every position the next-token logits are the fixed vector ``LOGITS`` (up to
 the RMSNorm factor ``1/sqrt(1 + eps)``), whatever the context. The expected distribution of each
-setting is computed here in float64 (a reference written independently of `jpaged.sampler`), and
+setting is computed here in float64 (a reference written independently of `jpaged.sample.sampler`), and
 ``N`` seeded samples (one request with ``n=N``) are compared with it by Pearson's chi-square test;
 a p-value below ``ALPHA`` fails. The seeds are fixed, so each test is deterministic; with a correct
 sampler the chance that any one of them fails for a new seed is ``ALPHA``.

@@ -24,7 +24,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from jpaged import LLM  # noqa: E402
-from jpaged.async_engine import AsyncLLMEngine  # noqa: E402
+from jpaged.engine.async_engine import AsyncLLMEngine  # noqa: E402
 from jpaged.entrypoints.openai_server import create_app  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -52,7 +52,7 @@ def test_tensor_parallel_tokens_identical_and_shardings(request, fixture, kv_hea
         assert layer["self_attn"]["o_proj"]["kernel"][...].sharding.spec == P("model", None)
         assert layer["mlp"]["down_proj"]["kernel"][...].sharding.spec == P("model", None)
         assert runner.state["lm_head"]["kernel"][...].sharding.spec == P(None, "model")
-        k_pages = runner.kv_caches[0][0]
+        k_pages = runner.kv_pool.caches[0][0]
         assert k_pages.sharding.spec == P("model", None, None, None)
         assert len(k_pages.sharding.device_set) == tp
         heads_total = max(kv_heads, tp)  # fewer KV heads than devices: replicated
@@ -80,7 +80,7 @@ def test_data_parallel_replicas_on_disjoint_devices(gqa2_dir):
                         use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     replicas = llm.llm_engine.replicas
-    device_sets = [set(r.runner.kv_caches[0][0].sharding.device_set) for r in replicas]
+    device_sets = [set(r.runner.kv_pool.caches[0][0].sharding.device_set) for r in replicas]
     assert len(device_sets[0]) == 2 and not device_sets[0] & device_sets[1]
     per_replica = llm.get_metrics()["replicas"]
     assert all(m["prefix_cache_queries"] > 0 for m in per_replica), "both replicas served requests"

@@ -111,7 +111,7 @@ def test_swap_and_recompute_preemption_give_the_unpreempted_tokens(llama_dir):
         m = llm.get_metrics()
         assert (m["num_preemptions"] > 0) == (name != "roomy"), name
         assert (m["num_swap_outs"] > 0) == (name == "swap"), name
-        assert llm.llm_engine.scheduler.num_swapped_blocks == 0 and not llm.llm_engine.runner.host_blocks
+        assert llm.llm_engine.scheduler.swap_space.num_used_blocks == 0 and not llm.llm_engine.scheduler.swap_space.swapped
         blocks_at_peak(llm)
     assert runs["recompute"] == runs["roomy"]
     assert runs["swap"] == runs["roomy"]

@@ -6,8 +6,9 @@ import pytest
 
 from conftest import random_prompts
 from jpaged import LLM, SamplingParams
-from jpaged import model_runner
-from jpaged.sampler import argmax
+from jpaged.runner import model_runner
+from jpaged.runner.buckets import StepBuckets
+from jpaged.sample.sampler import argmax
 
 ENGINE = dict(num_kv_blocks=96, max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8)
 
@@ -33,7 +34,7 @@ def test_precompile_leaves_nothing_to_compile_while_serving(llama_dir):
     llm = LLM(llama_dir[0], precompile=True, **ENGINE)
     compiled = llm.get_metrics()["num_compilations"]
     runner = llm.llm_engine.runner
-    assert runner.token_buckets(128) == [2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128]
+    assert runner.buckets.token_buckets(128) == [2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128]
     rng = np.random.default_rng(1)
     lengths = rng.integers(1, 120, 24)
     params = [greedy(int(n)) if i % 2 else SamplingParams(temperature=0.8, seed=i, max_tokens=int(n),
@@ -51,7 +52,7 @@ def test_step_buckets_and_sampled_row_buckets():
     sizes = sorted({step_bucket(n) for n in range(1, 2049)})
     assert sizes == [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 384, 512, 768,
                      1024, 1536, 2048]
-    rows_bucket = model_runner.ModelRunner.rows_bucket
+    rows_bucket = StepBuckets.rows
     assert rows_bucket(70, 80) == 80  # a decode step: its rows fill its tokens
     assert rows_bucket(70, 2048) == 128 and rows_bucket(3, 512) == 4  # prompt tokens too: a power of two
     assert rows_bucket(90, 96) == 96 and rows_bucket(200, 112) == 224  # never fewer rows than sampled
@@ -59,11 +60,11 @@ def test_step_buckets_and_sampled_row_buckets():
 
 def test_a_steps_shapes_depend_on_its_token_count_alone(llama_dir):
     runner = LLM(llama_dir[0], **ENGINE).llm_engine.runner
-    assert runner.buckets(1, 1, 1) == (2, 2, 16)        # max_model_len 256 / block 16 columns
-    assert runner.buckets(5, 3, 3) == runner.buckets(5, 1, 16) == (8, 8, 16)
-    assert runner.buckets(21, 3, 2) == (24, 8, 16)       # from 24 on, powers of two and their 1.5x
-    assert runner.buckets(33, 2, 1) == (48, 8, 16)       # rows: at most the max_num_seqs bucket
-    assert runner.buckets(33, 12, 1) == (48, 16, 16)     # unless forks make more sequences
+    assert runner.buckets.shape(1, 1, 1) == (2, 2, 16)        # max_model_len 256 / block 16 columns
+    assert runner.buckets.shape(5, 3, 3) == runner.buckets.shape(5, 1, 16) == (8, 8, 16)
+    assert runner.buckets.shape(21, 3, 2) == (24, 8, 16)       # from 24 on, powers of two and their 1.5x
+    assert runner.buckets.shape(33, 2, 1) == (48, 8, 16)       # rows: at most the max_num_seqs bucket
+    assert runner.buckets.shape(33, 12, 1) == (48, 16, 16)     # unless forks make more sequences
 
 
 def test_step_timings_account_for_every_step(llama_dir):

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import random_prompts
 from jpaged import LLM, SamplingParams
-from jpaged import structured_output
+from jpaged.sample import structured_output
 from jpaged.sampling_params import StructuredOutputsParams as SO
 
 SCHEMA = {"type": "object",
@@ -170,7 +170,7 @@ def test_gguf_tokenizer_vocabulary():
 def test_benchmark_json_schema_cost(capsys):
     """Measurement (README): the default GGUF model, 8 prompts x 48 tokens at temperature 1, with and
     without a JSON-schema constraint; grammar compile time cold and cached; host time filling masks."""
-    import jpaged.sampling_batch as sb
+    import jpaged.sample.sampling_batch as sb
     from jpaged.loading import gguf_loader
 
     try:
@@ -194,15 +194,15 @@ def test_benchmark_json_schema_cost(capsys):
     structured_output.compile_grammar(SO(json=schema), tok, vocab)
     cached = time.perf_counter() - t0
     mask_time = [0.0]
-    fill = sb._token_bitmask
+    fill = sb.token_bitmask
 
-    def timed(rows, s_pad):
+    def timed(rows):
         t = time.perf_counter()
-        out = fill(rows, s_pad)
+        out = fill(rows)
         mask_time[0] += time.perf_counter() - t
         return out
 
-    sb._token_bitmask = timed
+    sb.token_bitmask = timed
     prompts = [f"Write a JSON record for person number {i}:" for i in range(8)]
     lines = [f"schema compile: cold {cold * 1e3:.2f} ms, cached {cached * 1e6:.0f} us"]
     try:
@@ -220,7 +220,7 @@ def test_benchmark_json_schema_cost(capsys):
             lines.append(f"{'json-schema' if so else 'unconstrained'}: {n / dt:.1f} tok/s, host mask time "
                          f"{mask_time[0] / dt * 100:.1f}% of the run")
     finally:
-        sb._token_bitmask = fill
+        sb.token_bitmask = fill
     with capsys.disabled():
         print("\n" + "\n".join(lines))
     assert cached < cold

@@ -11,7 +11,7 @@ needs, for all of a request's sequences, or changes nothing and returns None).
 from typing import Protocol
 
 from jpaged.core.block_pool import BlockPool
-from jpaged.request import Sequence
+from jpaged.core.request import Sequence
 from jpaged.utils import cdiv
 
 

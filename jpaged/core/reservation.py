@@ -25,7 +25,7 @@ consecutive: the attention kernel reads exactly what a contiguous kernel would, 
 import bisect
 
 from jpaged.core.block_pool import NoFreeBlocksError
-from jpaged.request import Sequence
+from jpaged.core.request import Sequence
 from jpaged.utils import cdiv, next_power_of_two
 
 MODES = ("max", "pow2", "oracle")

@@ -4,95 +4,48 @@ The scheduler owns every change to request state. Each step:
 
 1. ``schedule()`` gives each running request up to ``num_tokens - num_computed_tokens`` tokens
    (prompt and generated tokens alike, so long prompts are chunked and mixed with decode rows),
-   then admits waiting requests, and returns a `SchedulerOutput`: a snapshot of plain data that is
-   all the model runner reads (tokens, positions, block tables, block copies, swaps).
+   then admits waiting requests, and returns a `SchedulerOutput`: plain data that is all the model
+   runner reads (tokens, positions, block tables, copies, swaps, per-row sampling values). When
+   every sequence decodes and ``num_scheduler_steps`` > 1, the step becomes a decode window.
 2. ``update_from_output()`` applies the sampled tokens: computed counts advance, tokens are
    appended, token-level stop conditions checked, the prompt of an ``n > 1`` request forks into
    its samples, beams fork or end, and finished sequences return their blocks.
 
 When the pool runs out the newest running request is preempted (all of its blocks): by recompute,
-or with ``preemption_mode="swap"`` by copying its blocks to host memory (while the swap space,
-counted in blocks, has room) to bring them back into fresh blocks when it resumes.
+or with ``preemption_mode="swap"`` by copying its blocks to host memory (`SwapSpace`, while it has
+room) to bring them back into fresh blocks when it resumes.
 """
 from collections import deque
-from dataclasses import dataclass, field
 
-from jpaged import beam_search, prompt_logprobs
 from jpaged.config import SchedulerConfig
 from jpaged.core.kv_cache_manager import KVCache
-from jpaged.request import Request, Sequence
-
-
-@dataclass
-class ScheduledSeq:
-    """One sequence's part of a step: compute ``token_ids`` at positions ``start, start + 1, ...``."""
-
-    token_ids: list[int]
-    start: int
-    block_table: list[int]  # a copy: covers every slot this step writes
-
-
-@dataclass
-class SampleRow:
-    """A row of logits to sample from: the last token of ``seqs[seq_row]``.
-
-    The first sampling step of a request with ``n > 1`` has n rows on its one prompt sequence
-    (``sample_index`` 0..n-1); the request forks into its samples once they are drawn.
-    """
-
-    request: Request
-    seq: Sequence
-    sample_index: int
-    seq_row: int
-
-
-@dataclass
-class PromptLogprobRow:
-    """Position ``position`` of ``seqs[seq_row]`` predicts prompt token ``target`` (prompt_logprobs)."""
-
-    request: Request
-    seq_row: int
-    position: int
-    target: int
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int      # per sequence in ``seqs``
-    seqs: list[Sequence]     # the request's live sequences when scheduled
-
-
-@dataclass
-class SchedulerOutput:
-    """Everything one step does. The runner reads ``seqs``, ``sample_rows``, copies and swaps."""
-
-    requests: list[ScheduledRequest] = field(default_factory=list)
-    seqs: list[ScheduledSeq] = field(default_factory=list)
-    sample_rows: list[SampleRow] = field(default_factory=list)
-    prompt_logprob_rows: list[PromptLogprobRow] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-    swap_out: list[tuple[int, list[int]]] = field(default_factory=list)  # (seq_id, device blocks)
-    swap_in: list[tuple[int, list[int]]] = field(default_factory=list)   # (seq_id, new device blocks)
-    preempted: list[Request] = field(default_factory=list)
+from jpaged.core.request import Request, Sequence
+from jpaged.core.scheduler_output import (PromptLogprobRow, SampleRow, ScheduledRequest, ScheduledSeq,
+                                          SchedulerOutput)
+from jpaged.core.swap_space import SwapSpace
+from jpaged.sample import beam_search, prompt_logprobs
+from jpaged.sample.sampling_batch import build_sampling_batch
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCache, *, max_model_len: int,
-                 preemption_mode: str = "recompute", swap_capacity_blocks: int = 0):
+                 preemption_mode: str = "recompute", swap_capacity_blocks: int = 0, seed: int = 0):
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.preemption_mode = preemption_mode
-        self.swap_capacity_blocks = swap_capacity_blocks
-        self.num_swapped_blocks = 0  # host blocks in use
-        self.swapped: dict[str, dict[int, int]] = {}  # request id -> {seq_id: blocks on the host}
-        self.num_swap_outs = 0
+        self.swap_space = SwapSpace(swap_capacity_blocks)
+        self.seed = seed  # the engine seed: random streams of requests without their own
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_swap_outs = 0
 
     def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id={request.request_id!r}: already in use")
+        self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -101,6 +54,7 @@ class Scheduler:
     # Phase 1: schedule ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        scheduled: list[Request] = []
         budget = self.config.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:  # running requests first, oldest first
@@ -114,12 +68,13 @@ class Scheduler:
                 if victim is request:
                     break
             else:  # room found without preempting this request itself
-                budget -= self._add(out, request, n)
+                budget -= self._add(out, scheduled, request, n)
                 i += 1
                 continue
             break
         num_seqs = sum(len(r.live_seqs) for r in self.running)
-        # then waiting requests, in order, while nothing had to be preempted this step
+        # then waiting requests, in order, while nothing had to be preempted this step (so no step
+        # both swaps out and swaps in: host blocks freed by a swap-in are only reused later)
         while self.waiting and budget > 0 and not out.preempted:
             request = self.waiting[0]
             seqs = request.live_seqs
@@ -132,17 +87,24 @@ class Scheduler:
             self.waiting.popleft()
             if cached is not None:
                 request.num_cached_tokens = max(request.num_cached_tokens, seqs[0].num_computed_tokens)
-            for seq_id, num_blocks in self.swapped.pop(request.request_id, {}).items():
-                seq = next(s for s in seqs if s.seq_id == seq_id)
-                out.swap_in.append((seq_id, self.kv_cache.block_table(seq)[:num_blocks]))
-                self.num_swapped_blocks -= num_blocks
+            if self.swap_space.is_swapped(request.request_id):
+                out.swap_in += self.swap_space.swap_in(
+                    request.request_id, {s.seq_id: self.kv_cache.block_table(s) for s in seqs})
             self.running.append(request)
-            budget -= self._add(out, request, n)
+            budget -= self._add(out, scheduled, request, n)
             num_seqs += len(seqs)
         out.block_copies = self.kv_cache.take_pending_copies()
+        rows = [(self.requests[out.seqs[r.seq_row].request_id], self._seq(out, r.seq_row), r.sample_index)
+                for r in out.sample_rows]
+        out.sampling = build_sampling_batch(rows, self.seed)
+        out.num_steps = self._plan_decode_window(out, scheduled)
         return out
 
-    def plan_decode_window(self, out: SchedulerOutput, max_steps: int) -> int:
+    def _seq(self, out: SchedulerOutput, seq_row: int) -> Sequence:
+        scheduled = out.seqs[seq_row]
+        return next(s for s in self.requests[scheduled.request_id].seqs if s.seq_id == scheduled.seq_id)
+
+    def _plan_decode_window(self, out: SchedulerOutput, scheduled: list[Request]) -> int:
         """How many decode steps ``out`` runs on the device before the host sees a token (1: this
         step alone).
 
@@ -150,43 +112,33 @@ class Scheduler:
         no copies or swaps, and sampling that needs no host between tokens (no grammar, penalties
         or bad words; ``min_tokens`` bans are lifted on the device). It lasts until the longest
         ``max_tokens`` is reached (rows that end sooner compute unused tokens), at most
-        ``max_steps`` steps and never past ``max_model_len``; its slots are reserved here (the KV
-        cache may decline), and the step's block tables updated. Stops and finishes are then
-        applied token by token (`window_substep`). A request that waits (for blocks or a sequence
-        slot: one that fits would have been admitted into this step, which would then not be
-        decode-only) is admitted after the window, up to ``max_steps - 1`` steps later than without
-        one.
+        ``num_scheduler_steps`` steps and never past ``max_model_len``; its slots are reserved here
+        (the KV cache may decline), and the step's block tables updated. The engine applies its
+        tokens step by step (`update_from_output` with ``step_index``). A request that waits (for
+        blocks or a sequence slot: one that fits would have been admitted into this step, which
+        would then not be decode-only) is admitted after the window.
         """
+        max_steps = self.config.num_scheduler_steps
         if (max_steps <= 1 or out.block_copies or out.swap_in or out.swap_out
                 or out.preempted or out.prompt_logprob_rows or len(out.sample_rows) != len(out.seqs)
                 or any(len(s.token_ids) != 1 for s in out.seqs)
                 or any(row.seq_row != i for i, row in enumerate(out.sample_rows))):
             return 1
         steps, longest = max_steps, 0
-        for sr in out.requests:
-            p = sr.request.sampling_params
-            if (sr.request.beam is not None or p._grammar is not None or p.uses_penalties
-                    or p._bad_word_ids):
+        for request in scheduled:
+            p = request.sampling_params
+            if request.beam is not None or request.grammar is not None or p.uses_penalties or request.bad_word_ids:
                 return 1
-            for seq in sr.seqs:
+            for seq in request.live_seqs:
                 steps = min(steps, self.max_model_len - seq.num_tokens)
                 longest = max(longest, max_steps if p.max_tokens is None else p.max_tokens - seq.num_output_tokens)
         steps = min(steps, longest)
-        seqs = [seq for sr in out.requests for seq in sr.seqs]
+        seqs = [self._seq(out, i) for i in range(len(out.seqs))]
         if steps <= 1 or not self.kv_cache.reserve_slots(seqs, steps):
             return 1
-        for scheduled, seq in zip(out.seqs, seqs):
-            scheduled.block_table = list(self.kv_cache.block_table(seq))
+        for scheduled_seq, seq in zip(out.seqs, seqs):
+            scheduled_seq.block_table = list(self.kv_cache.block_table(seq))
         return steps
-
-    @staticmethod
-    def window_substep(out: SchedulerOutput) -> tuple[SchedulerOutput, list[int]]:
-        """The part of a decode window's step that is still live (requests and rows not finished),
-        and the indices of its sample rows in ``out``'s."""
-        rows = [i for i, row in enumerate(out.sample_rows) if not row.seq.finished]
-        live = {id(out.sample_rows[i].request) for i in rows}
-        requests = [sr for sr in out.requests if id(sr.request) in live]
-        return SchedulerOutput(requests=requests, sample_rows=[out.sample_rows[i] for i in rows]), rows
 
     def _num_new_tokens(self, request: Request, budget: int, num_cached_tokens: int = 0) -> int:
         seqs = request.live_seqs
@@ -206,43 +158,44 @@ class Scheduler:
         k = min(map(len, found))
         return [blocks[:k] for blocks in found]
 
-    def _add(self, out: SchedulerOutput, request: Request, n: int) -> int:
-        """Puts the request's sequences into the step's snapshot; returns the tokens it uses."""
+    def _add(self, out: SchedulerOutput, scheduled: list[Request], request: Request, n: int) -> int:
+        """Puts the request's sequences into the step's output; returns the tokens it uses."""
         seqs = list(request.live_seqs)
-        out.requests.append(ScheduledRequest(request, n, seqs))
+        scheduled.append(request)
+        out.requests.append(ScheduledRequest(request.request_id, n))
         samples = seqs[0].num_computed_tokens + n == seqs[0].num_tokens
         first_of_many = request.beam is None and len(request.seqs) == 1 and request.sampling_params.n > 1
+        k = request.sampling_params.prompt_logprobs
         for seq in seqs:
             start = seq.num_computed_tokens
-            out.seqs.append(ScheduledSeq(seq.token_ids[start:start + n], start,
+            out.seqs.append(ScheduledSeq(request.request_id, seq.seq_id, seq.token_ids[start:start + n], start,
                                          list(self.kv_cache.block_table(seq))))
-            out.prompt_logprob_rows += [PromptLogprobRow(request, len(out.seqs) - 1, p, seq.token_ids[p + 1])
+            row = len(out.seqs) - 1
+            out.prompt_logprob_rows += [PromptLogprobRow(row, p, seq.token_ids[p + 1], k)
                                         for p in prompt_logprobs.wanted(request, seq, start, n)]
             if samples:
                 indices = range(request.sampling_params.n) if first_of_many else [seq.index]
-                out.sample_rows += [SampleRow(request, seq, k, len(out.seqs) - 1) for k in indices]
+                out.sample_rows += [SampleRow(row, index) for index in indices]
         return n * len(seqs)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """All of the request's blocks go back (to the host first, when swapping); it waits at the front."""
         seqs = request.live_seqs
-        tables = [self.kv_cache.block_table(s) for s in seqs]
-        num_blocks = sum(len(t) for t in tables)
-        swap = (self.preemption_mode == "swap"
-                and self.num_swapped_blocks + num_blocks <= self.swap_capacity_blocks)
-        if swap:
-            self.swapped[request.request_id] = {s.seq_id: len(t) for s, t in zip(seqs, tables)}
-            out.swap_out += [(s.seq_id, list(t)) for s, t in zip(seqs, tables)]
-            self.num_swapped_blocks += num_blocks
+        pairs = None
+        if self.preemption_mode == "swap":
+            pairs = self.swap_space.swap_out(request.request_id, {s.seq_id: self.kv_cache.block_table(s)
+                                                                  for s in seqs})
+        if pairs is not None:
+            out.swap_out += pairs
             self.num_swap_outs += 1
         for seq in request.seqs:
             self.kv_cache.free(seq)
-            if not swap:
+            if pairs is None:
                 seq.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
-        out.preempted.append(request)
+        out.preempted.append(request.request_id)
 
     def preempt_all(self) -> None:
         """Every running request goes back to waiting to recompute (after the KV pool was lost)."""
@@ -254,42 +207,54 @@ class Scheduler:
             self.waiting.appendleft(request)
 
     # Phase 2: apply the step's results -----------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, tokens, logprobs, top_ids, top_logprobs,
-                           prompt_results=None) -> list[tuple[Request, list[Sequence]]]:
-        """Applies one step's sampled tokens (one per sample row); returns each scheduled request
-        with the sequences that received a token (finished requests are already freed)."""
-        if out.prompt_logprob_rows:
+    def update_from_output(self, out: SchedulerOutput, result, step_index: int = 0
+                           ) -> list[tuple[Request, list[Sequence]]]:
+        """Applies step ``step_index`` of ``out`` (0, or a later step of a decode window): one
+        sampled token per sample row (``result.tokens``, ``.logprobs``, ``.top_ids``,
+        ``.top_logprobs``; ``.prompt_logprobs``). Returns each request of the step that is still
+        scheduled with the sequences that received a token; finished requests are already freed.
+        Rows of sequences that ended in an earlier step of the window are skipped."""
+        if step_index == 0 and out.prompt_logprob_rows:
             rows = out.prompt_logprob_rows
-            prompt_logprobs.record([(r.request, r.position) for r in rows], [r.target for r in rows],
-                                   prompt_results)
-        for sr in out.requests:
-            for seq in sr.seqs:
-                seq.num_computed_tokens += sr.num_new_tokens
-        rows_by_request: dict[int, list[int]] = {}
+            prompt_logprobs.record([(self.requests[out.seqs[r.seq_row].request_id], r.position, r.num_logprobs)
+                                    for r in rows], [r.target for r in rows], result.prompt_logprobs)
+        rows_by_request: dict[str, list[int]] = {}
         for i, row in enumerate(out.sample_rows):
-            rows_by_request.setdefault(id(row.request), []).append(i)
+            rows_by_request.setdefault(out.seqs[row.seq_row].request_id, []).append(i)
+        seq_ids = {}
+        for scheduled in out.seqs:
+            seq_ids.setdefault(scheduled.request_id, set()).add(scheduled.seq_id)
         advanced = []
         for sr in out.requests:
-            request, new = sr.request, []
-            rows = rows_by_request.get(id(request), [])
+            request = self.requests.get(sr.request_id)
+            if request is None:  # ended in an earlier step of the window
+                continue
+            live = [s for s in request.seqs if s.seq_id in seq_ids[sr.request_id] and not s.finished]
+            for seq in live:
+                seq.num_computed_tokens += sr.num_new_tokens
+            rows = [i for i in rows_by_request.get(sr.request_id, ())
+                    if step_index == 0 or not self._seq(out, out.sample_rows[i].seq_row).finished]
+            new = []
             if request.beam is not None and rows:
-                new = self._beam_step(request, [out.sample_rows[i] for i in rows],
-                                      [(top_ids[i], top_logprobs[i]) for i in rows])
+                new = self._beam_step(request, [self._seq(out, out.sample_rows[i].seq_row) for i in rows],
+                                      [(result.top_ids[i], result.top_logprobs[i]) for i in rows])
             elif rows:
-                new = self._append_samples(request, [out.sample_rows[i] for i in rows],
-                                           [(int(tokens[i]), float(logprobs[i]), top_ids[i], top_logprobs[i])
-                                            for i in rows])
+                new = self._append_samples(
+                    request, [(self._seq(out, out.sample_rows[i].seq_row), out.sample_rows[i].sample_index)
+                              for i in rows],
+                    [(int(result.tokens[i]), float(result.logprobs[i]), result.top_ids[i], result.top_logprobs[i])
+                     for i in rows])
             self._free_finished(request)
             advanced.append((request, new))
         return advanced
 
-    def _append_samples(self, request: Request, rows: list[SampleRow], samples: list) -> list[Sequence]:
+    def _append_samples(self, request: Request, rows: list[tuple[Sequence, int]], samples: list) -> list[Sequence]:
         """Appends a request's sampled tokens; forks the prompt sequence on its first n > 1 sample."""
-        seqs = [row.seq for row in rows]
+        seqs = [seq for seq, _ in rows]
         if len(rows) > 1 and len(request.seqs) == 1:
             parent = request.seqs[0]
-            for k, row in enumerate(rows[1:], start=1):
-                child = parent.fork(row.sample_index)
+            for k, (_, sample_index) in enumerate(rows[1:], start=1):
+                child = parent.fork(sample_index)
                 self.kv_cache.fork(parent, child)
                 request.seqs.append(child)
                 seqs[k] = child
@@ -311,14 +276,14 @@ class Scheduler:
                 or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
 
-    def _beam_step(self, request: Request, rows: list[SampleRow], tops: list) -> list[Sequence]:
+    def _beam_step(self, request: Request, parents: list[Sequence], tops: list) -> list[Sequence]:
         """Picks the next beams; a beam chosen twice forks (shares blocks), one not chosen is freed."""
         state = request.beam
         width = 2 * state.params.beam_width
-        candidates = [beam_search.Candidate(row.seq.cumulative_logprob + float(lp), row.seq, int(t))
-                      for row, (top_ids, top_lps) in zip(rows, tops)
+        candidates = [beam_search.Candidate(seq.cumulative_logprob + float(lp), seq, int(t))
+                      for seq, (top_ids, top_lps) in zip(parents, tops)
                       for t, lp in zip(top_ids[:width], top_lps[:width])]
-        chosen = beam_search.select(state, candidates, rows[0].seq.num_output_tokens, request.eos_token_ids)
+        chosen = beam_search.select(state, candidates, parents[0].num_output_tokens, request.eos_token_ids)
         beams, kept = [], set()
         for c in chosen:  # fork first, from parents that have not taken their new token yet
             if id(c.parent) in kept:
@@ -345,16 +310,19 @@ class Scheduler:
                 if seq.finished:
                     self.kv_cache.free(seq)
 
-    def stop_sequence(self, request: Request, seq: Sequence, reason: str, stop_reason=None) -> None:
-        """Ends one sequence (a stop string, an error); frees it, and the request once all ended."""
-        seq.finish_reason, seq.stop_reason = reason, stop_reason
-        self._free_finished(request)
+    def stop_sequences(self, stops: list[tuple[Request, Sequence, str]]) -> None:
+        """Ends sequences at stop strings (found by the output processor): each finishes with
+        ``"stop"`` and its stop string; blocks are freed, requests whose sequences all ended too."""
+        for request, seq, stop in stops:
+            seq.finish_reason, seq.stop_reason = "stop", stop
+            self._free_finished(request)
 
     def finish(self, request: Request) -> None:
         """Frees a finished or aborted request, wherever it is (its host copy too)."""
-        self.num_swapped_blocks -= sum(self.swapped.pop(request.request_id, {}).values())
+        self.swap_space.free(request.request_id)
         for seq in request.seqs:
             self.kv_cache.free(seq)
+        self.requests.pop(request.request_id, None)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:

@@ -27,8 +27,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jpaged.async_engine import AsyncLLMEngine, EngineError, QueueFullError, RequestAbortedError
-from jpaged.chat import apply_chat_template
+from jpaged.engine.async_engine import AsyncLLMEngine, EngineError, QueueFullError, RequestAbortedError
+from jpaged.engine.chat_template import apply_chat_template
 from jpaged.entrypoints.metrics import ServerMetrics
 from jpaged.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -97,31 +97,32 @@ class OpenAIServing:
         return text
 
     async def check_params(self, params, body) -> None:
-        """The model-dependent checks of ``params`` (token ids in the vocabulary, ``bad_words``
-        tokenized, grammars compiled into the shared cache) before the engine sees the request: an
-        error is a 400, and the engine's own check of the same request then hits the grammar cache.
-        A grammar or bad words are prepared on a worker thread, off the event loop and the engine loop."""
-        config = getattr(self.engine.engine, "model_config", None)
-        if config is None:  # an engine without a model config: its add_request checks everything
-            return
+        """The vocabulary checks of ``params`` (token ids, logprobs), once per HTTP request: an error
+        is a 400 naming the field."""
         try:
-            if params.structured_outputs is not None or params.bad_words:
-                await asyncio.to_thread(params.validate_for_vocab, config.vocab_size, self.tokenizer)
-            else:
-                params.validate_for_vocab(config.vocab_size, self.tokenizer)
+            params.validate_for_vocab(self.engine.model_config.vocab_size, self.tokenizer)
         except ValueError as e:
             raise bad_request(e, structured_param=body.structured_param) from None
 
     async def start(self, request_id: str, prompts: list, params, delta: bool, prompt_param: str,
                     cache_salt: str | None = None, structured_param: str = "structured_outputs") -> list:
-        """Adds one engine request per prompt; all accepted, or none (then the APIError)."""
+        """Adds one engine request per prompt; all accepted, or none (then the APIError). Each is
+        processed (tokenized, validated, its grammar compiled into the shared cache) on a worker
+        thread, off the event loop and the engine loop."""
         if not self.engine.is_running:
             raise APIError(503, "the engine is not running (shutting down)", type="server_error")
+        requests = []
+        for i, prompt in enumerate(prompts):
+            try:
+                requests.append(await asyncio.to_thread(self.engine.process, f"{request_id}-{i}", prompt, params,
+                                                        cache_salt=cache_salt))
+            except ValueError as e:
+                raise bad_request(ValueError(f"prompt[{i}]: {e}" if len(prompts) > 1 else str(e)),
+                                  prompt_param, structured_param) from None
         streams = []
         try:
-            for i, prompt in enumerate(prompts):
-                streams.append(self.engine.add_request(f"{request_id}-{i}", prompt, params, delta=delta,
-                                                       cache_salt=cache_salt))
+            for request in requests:
+                streams.append(self.engine.add_request(request, delta=delta))
             results = await asyncio.gather(*(asyncio.wrap_future(s.added) for s in streams), return_exceptions=True)
         except QueueFullError as e:
             self.abort(streams)
@@ -403,7 +404,7 @@ class OpenAIServing:
     def models(self) -> dict:
         card = {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "jpaged",
                 "root": self.model_name, "parent": None}
-        max_model_len = getattr(self.engine.engine, "max_model_len", None)
+        max_model_len = getattr(self.engine, "max_model_len", None)
         if max_model_len is not None:
             card["max_model_len"] = max_model_len
         return {"object": "list", "data": [card]}

@@ -37,7 +37,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 def build_app():
     """Loads the engine (warm-up included) and returns the FastAPI app."""
-    from jpaged.async_engine import AsyncLLMEngine
+    from jpaged.engine.async_engine import AsyncLLMEngine
     from jpaged.entrypoints.openai_server import create_app
 
     model, kwargs = llm_args()

@@ -9,7 +9,7 @@ maps both to the first spelling.
 import jax.numpy as jnp
 from flax import nnx
 
-from jpaged.attention import AttentionMetadata, PagedAttention
+from jpaged.models.attention import AttentionMetadata, PagedAttention
 from jpaged.models.layers import LayerNorm, activation, linear, run_layers, tied_or_head_logits
 from jpaged.models.model_config import ModelConfig
 

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jpaged.attention import AttentionMetadata, PagedAttention
+from jpaged.models.attention import AttentionMetadata, PagedAttention
 from jpaged.models.layers import (RMSNorm, apply_rope, linear, project, rope_inv_freq, run_layers,
                                   tied_or_head_logits)
 from jpaged.models.model_config import ModelConfig

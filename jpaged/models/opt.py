@@ -10,7 +10,7 @@ OPTForCausalLM) and ``decoder.*`` (the original Hub files of OPTModel).
 import jax.numpy as jnp
 from flax import nnx
 
-from jpaged.attention import AttentionMetadata, PagedAttention
+from jpaged.models.attention import AttentionMetadata, PagedAttention
 from jpaged.models.layers import LayerNorm, activation, linear, project, run_layers, tied_or_head_logits
 from jpaged.models.model_config import ModelConfig
 

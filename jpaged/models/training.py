@@ -8,7 +8,7 @@ a layer with the same call signature that ignores the cache and attends causally
 of the batch. The model's own ``__call__`` then runs over the flattened ``[B * L]`` tokens.
 
 This works for any model with the jpaged model interface whose attention goes through
-`jpaged.attention.PagedAttention` held as a module attribute (the built-in Llama family and
+`jpaged.models.attention.PagedAttention` held as a module attribute (the built-in Llama family and
 models written like `examples/custom_model.py`)::
 
     hidden = dense_forward(model, tokens)            # [B, L, hidden]
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jpaged.attention import PagedAttention
+from jpaged.models.attention import PagedAttention
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["positions"],
@@ -86,7 +86,7 @@ def dense_view(model):
                 swapped += 1
     if swapped == 0:
         raise ValueError(f"{type(model).__name__}: no PagedAttention layer found as a module attribute; "
-                         "dense_view needs the model's attention to go through jpaged.attention.PagedAttention")
+                         "dense_view needs the model's attention to go through jpaged.models.attention.PagedAttention")
     return view
 
 

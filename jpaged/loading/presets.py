@@ -9,7 +9,7 @@ import os
 
 from jpaged.utils import read_json
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
 def list_presets() -> list[str]:

@@ -10,7 +10,7 @@ from typing import Protocol
 import jax
 
 from jpaged.config import EngineConfig
-from jpaged.engine import LLMEngine
+from jpaged.engine.llm_engine import LLMEngine
 from jpaged.outputs import RequestOutput
 
 
@@ -20,11 +20,9 @@ class Engine(Protocol):
 
     tokenizer: object
 
-    def tokenize(self, prompt) -> tuple: ...
+    def process(self, request_id: str, prompt, sampling_params=None, **kwargs): ...
 
-    def validate(self, prompt_token_ids: list[int], params) -> None: ...
-
-    def add_request(self, request_id: str, prompt, sampling_params=None, **kwargs): ...
+    def add_request(self, request_id, prompt=None, sampling_params=None, **kwargs): ...
 
     def abort_request(self, request_id: str) -> RequestOutput | None: ...
 
@@ -53,20 +51,22 @@ class DataParallelEngine:
     def tokenizer(self):
         return self.replicas[0].tokenizer
 
-    def tokenize(self, prompt):
-        return self.replicas[0].tokenize(prompt)
+    @property
+    def max_model_len(self) -> int:
+        return self.replicas[0].max_model_len
 
-    def validate(self, prompt_token_ids, params) -> None:
-        self.replicas[0].validate(prompt_token_ids, params)
+    def process(self, request_id: str, prompt, sampling_params=None, **kwargs):
+        return self.replicas[0].process(request_id, prompt, sampling_params, **kwargs)
 
     def _load(self, engine: LLMEngine) -> int:
         return sum(s.num_tokens - s.num_computed_tokens + (s.max_tokens or 0) - s.num_output_tokens
                    for r in engine.requests.values() for s in r.live_seqs)
 
-    def add_request(self, request_id: str, prompt, sampling_params=None, **kwargs):
+    def add_request(self, request_id, prompt=None, sampling_params=None, **kwargs):
+        """Queues a request (processed, or an id with its prompt) on the least loaded replica."""
         engine = min(self.replicas, key=self._load)
         request = engine.add_request(request_id, prompt, sampling_params, **kwargs)
-        self.placement[str(request_id)] = engine
+        self.placement[request.request_id] = engine
         return request
 
     def abort_request(self, request_id: str):

@@ -20,9 +20,10 @@ import threading
 import time
 import uuid
 
+from jpaged.core.request import Request
 from jpaged.outputs import RequestOutput
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("jpaged")
 
 
 class QueueFullError(RuntimeError):
@@ -152,9 +153,24 @@ class AsyncLLMEngine:
     @classmethod
     def from_args(cls, model: str | None = None, *, max_queued_requests: int | None = None, **engine_kwargs):
         """Builds the engine with ``LLM(model, **engine_kwargs)``'s settings."""
-        from jpaged.llm import LLM
+        from jpaged.config import engine_config
+        from jpaged.engine import create_engine
 
-        return cls(LLM(model, **engine_kwargs).llm_engine, max_queued_requests=max_queued_requests)
+        return cls(create_engine(engine_config(model, **engine_kwargs)), max_queued_requests=max_queued_requests)
+
+    @property
+    def model_config(self):
+        return self.engine.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def process(self, request_id, prompt, params=None, *, cache_salt: str | None = None) -> Request:
+        """The validated request (ValueError for a bad one), from any thread: the engine's input
+        processing, off the loop thread."""
+        request_id = uuid.uuid4().hex if request_id is None else str(request_id)
+        return self.engine.process(request_id, prompt, params, cache_salt=cache_salt)
 
     # State -------------------------------------------------------------------------------------------
     @property
@@ -179,10 +195,13 @@ class AsyncLLMEngine:
             return len(self._streams) - len(self._admitted)
 
     # Requests ------------------------------------------------------------------------------------------
-    def add_request(self, request_id, prompt, params=None, *, cache_salt: str | None = None,
+    def add_request(self, request_id, prompt=None, params=None, *, cache_salt: str | None = None,
                     delta: bool = False) -> RequestStream:
-        """Queues a request from any thread; returns its stream at once. ``stream.added`` (a
-        concurrent future) raises the engine's ValueError if the request is rejected."""
+        """Queues a request from any thread (a `Request` from `process`, or an id with its prompt
+        and parameters, then processed on the loop thread); returns its stream at once.
+        ``stream.added`` (a concurrent future) raises the engine's ValueError if it is rejected."""
+        if isinstance(request_id, Request):
+            request_id, prompt, params = request_id.request_id, request_id, request_id.sampling_params
         request_id = uuid.uuid4().hex if request_id is None else str(request_id)
         stream = RequestStream(request_id, getattr(params, "stop", None), self.abort, delta)
         with self._lock:
@@ -286,7 +305,10 @@ class AsyncLLMEngine:
             if request_id not in self._streams:  # aborted before it was added
                 raise RequestAbortedError(f"request {request_id} was aborted")
         try:
-            self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
+            if isinstance(prompt, Request):
+                self.engine.add_request(prompt)
+            else:
+                self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
         except BaseException:
             with self._lock:
                 self._streams.pop(request_id, None)

@@ -21,7 +21,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jpaged.sample.sampling_batch import SamplingBatch
+from jpaged.utils import bucket, pad_rows, padded_ids
 from jpaged_kernels import cpu
 
 
@@ -60,6 +63,41 @@ class SamplingTensors:
     use_filters: bool = False     # any top-k / top-p / min-p (static)
     use_penalties: bool = False   # any penalty (static)
     all_greedy: bool = True       # no row samples: skip the random numbers (static)
+
+
+def sampling_tensors(batch: SamplingBatch, s_pad: int) -> SamplingTensors:
+    """``batch``'s rows padded to ``s_pad`` (greedy rows that allow every token); token-id lists
+    padded with -1 to a power-of-two width, 0 for an option no row uses, so shapes come from a small
+    set and an unused stage is not traced."""
+    pad = s_pad - batch.num_rows
+    f32 = lambda vals, fill: np.array(list(vals) + [fill] * pad, np.float32)  # noqa: E731
+    i32 = lambda vals, fill: np.array(list(vals) + [fill] * pad, np.int32)  # noqa: E731
+    empty = np.zeros((s_pad, 0), np.int32)
+    mask = np.full((s_pad, batch.token_bitmask.shape[1]), -1, np.int32)
+    mask[:batch.num_rows] = batch.token_bitmask
+    bias = batch.bias
+    return SamplingTensors(
+        temperature=f32(batch.temperature, 0.0),
+        top_k=i32(batch.top_k, 0),
+        top_p=f32(batch.top_p, 1.0),
+        min_p=f32(batch.min_p, 0.0),
+        seeds=np.array(list(batch.seeds) + [0] * pad, np.uint32),
+        steps=i32(batch.steps, 0),
+        presence_penalty=f32(batch.presence_penalty, 0.0),
+        frequency_penalty=f32(batch.frequency_penalty, 0.0),
+        repetition_penalty=f32(batch.repetition_penalty, 1.0),
+        output_token_ids=pad_rows(batch.output_token_ids, s_pad) if batch.use_penalties else empty,
+        prompt_token_ids=pad_rows(batch.prompt_token_ids, s_pad) if batch.use_penalties else empty,
+        banned_token_ids=pad_rows(batch.banned_token_ids, s_pad),
+        bias_token_ids=pad_rows([[t for t, _ in b] for b in bias], s_pad),
+        bias_values=pad_rows([[v for _, v in b] for b in bias], s_pad, fill=0.0, dtype=np.float32),
+        allowed_token_ids=pad_rows(batch.allowed_token_ids, s_pad),
+        has_allowed=np.array([bool(a) for a in batch.allowed_token_ids] + [False] * pad),
+        token_bitmask=mask,
+        num_logprobs=bucket(batch.num_logprobs, 0),
+        use_filters=batch.use_filters,
+        use_penalties=batch.use_penalties,
+        all_greedy=batch.all_greedy)
 
 
 def _token_counts(token_ids, vocab_size):
@@ -195,3 +233,37 @@ def _with_logprobs(tokens, logits, num_logprobs, log_norm=None):
         top_logprobs = jnp.zeros((tokens.shape[0], 0), jnp.float32)
         top_ids = jnp.zeros((tokens.shape[0], 0), jnp.int32)
     return tokens, token_logprobs, top_ids.astype(jnp.int32), top_logprobs
+
+
+# Prompt logprobs (``SamplingParams.prompt_logprobs``) ------------------------------------------
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["indices", "targets"],
+                   meta_fields=["num_logprobs"])
+@dataclasses.dataclass
+class PromptLogprobTensors:
+    """The prompt positions of a step whose logprobs were asked for (``prompt_logprobs``)."""
+
+    indices: jax.Array   # int32 [Tp]: rows of the step's hidden states (padded with 0)
+    targets: jax.Array   # int32 [Tp]: the prompt token each row predicts
+    num_logprobs: int = 0  # top alternatives per row (static)
+
+
+def prompt_logprobs(logits, t: PromptLogprobTensors):
+    """logits [Tp, V] -> (target logprobs [Tp], top ids [Tp, k], top logprobs [Tp, k])."""
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    target = jnp.take_along_axis(logprobs, t.targets[:, None], axis=-1)[:, 0]
+    k = min(t.num_logprobs, logits.shape[-1])
+    if k:
+        top_lps, top_ids = jax.lax.top_k(logprobs, k)
+    else:
+        top_lps, top_ids = jnp.zeros((logits.shape[0], 0)), jnp.zeros((logits.shape[0], 0), jnp.int32)
+    return target, top_ids.astype(jnp.int32), top_lps
+
+
+def prompt_logprob_tensors(rows, indices: list[int]) -> PromptLogprobTensors | None:
+    """``rows``: the step's `PromptLogprobRow`s, ``indices``: the flat token row of each. None when
+    no row of the step asks."""
+    if not rows:
+        return None
+    k = max(r.num_logprobs for r in rows)
+    return PromptLogprobTensors(padded_ids(indices, fill=0), padded_ids([r.target for r in rows], fill=0),
+                                bucket(k, 0))

@@ -27,8 +27,8 @@ class Sequence:
     stop_reason: int | str | None = None
     text: str = ""
     block_hashes: list[int] = field(default_factory=list)  # prefix-cache keys of its full blocks
-    structured: object | None = None     # structured_output.StructuredState of a constrained request
-    detokenizer: object | None = None    # its IncrementalDetokenizer (the engine's), once it has output
+    structured: object | None = None     # its structured_output.StructuredState (a constrained request)
+    detokenizer: object | None = None    # its IncrementalDetokenizer (the output processor's)
 
     @property
     def num_tokens(self) -> int:
@@ -80,8 +80,10 @@ class Request:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     beam: object | None = None  # a beam_search.BeamState for beam-search requests
+    grammar: object | None = None  # structured_output.Grammar compiled from structured_outputs
+    bad_word_ids: list[list[int]] = field(default_factory=list)  # bad_words, tokenized
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.time()))
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # filled by jpaged.prompt_logprobs
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # filled by sample.prompt_logprobs
 
     def __post_init__(self):
         if not self.seqs:

@@ -1,0 +1,77 @@
+"""What one engine step does, as plain data: everything the model runner reads, nothing live.
+
+The scheduler builds a `SchedulerOutput` each step; the runner turns it into device arrays and
+never sees a `Request`, a `Sequence` or the KV cache manager. Ids (``request_id``, ``seq_id``) let
+the scheduler apply the step's results to its own objects afterwards.
+"""
+from dataclasses import dataclass, field
+
+from jpaged.sample.sampling_batch import SamplingBatch
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's part of a step: compute ``token_ids`` at positions ``start, start + 1, ...``,
+    writing their K/V through ``block_table`` (a copy that covers every slot the step writes)."""
+
+    request_id: str
+    seq_id: int
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+
+
+@dataclass
+class SampleRow:
+    """A row of logits to sample from: the last token of ``seqs[seq_row]``.
+
+    The first sampling step of a request with ``n > 1`` has n rows on its one prompt sequence
+    (``sample_index`` 0..n-1); the scheduler forks the request into its samples once they are drawn.
+    """
+
+    seq_row: int
+    sample_index: int
+
+
+@dataclass
+class PromptLogprobRow:
+    """Position ``position`` of ``seqs[seq_row]`` predicts prompt token ``target`` (prompt_logprobs
+    with ``num_logprobs`` alternatives)."""
+
+    seq_row: int
+    position: int
+    target: int
+    num_logprobs: int
+
+
+@dataclass
+class ScheduledRequest:
+    """A request of the step: each of its scheduled sequences computes ``num_new_tokens`` tokens."""
+
+    request_id: str
+    num_new_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """Everything one step does.
+
+    ``num_steps`` > 1 makes it a decode window: every sequence decodes one token per step for that
+    many steps on the device (``block_table``s already cover them), the sampled tokens fed back there.
+    ``swap_out`` pairs are (device block, host block), ``swap_in`` pairs (host block, device block).
+    """
+
+    requests: list[ScheduledRequest] = field(default_factory=list)
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    sample_rows: list[SampleRow] = field(default_factory=list)
+    sampling: SamplingBatch = field(default_factory=SamplingBatch)
+    prompt_logprob_rows: list[PromptLogprobRow] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    num_steps: int = 1
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)

@@ -1,0 +1,124 @@
+"""Input processing: a prompt in any accepted form + its parameters -> a validated `Request`.
+
+Every check on a request runs here, once, before it reaches the scheduler or the device: a bad one
+raises ``ValueError`` naming the field and nothing else changes. It reads only settings fixed at
+start-up (the tokenizer, the model's vocabulary, the pool size), so it may run on any thread.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+from jpaged.config import SchedulerConfig
+from jpaged.core.request import Request
+from jpaged.sample import beam_search
+from jpaged.sample.structured_output import compile_grammar
+from jpaged.sampling_params import BeamSearchParams, SamplingParams, bad_word_token_ids
+from jpaged.utils import cdiv
+
+
+@dataclass
+class InputProcessor:
+    tokenizer: object
+    vocab_size: int
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    scheduler_config: SchedulerConfig
+    eos_token_ids: tuple[int, ...] = ()
+
+    def tokenize(self, prompt) -> tuple[str | None, list[int], str | None]:
+        """(text or None, token ids, cache_salt or None) of a prompt in any accepted form."""
+        salt = None
+        if isinstance(prompt, dict):
+            salt = prompt.get("cache_salt")
+            if salt is not None and not isinstance(salt, str):
+                raise ValueError(f"cache_salt: expected a string, got {type(salt).__name__}")
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._token_ids(prompt["prompt_token_ids"]), salt
+            if "prompt" not in prompt:
+                raise ValueError("prompt: a dict prompt needs 'prompt_token_ids' or 'prompt'")
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: text given but the model has no tokenizer; pass token ids")
+            return prompt, self.tokenizer.encode(prompt), salt
+        if isinstance(prompt, (list, tuple)) or hasattr(prompt, "tolist"):
+            return None, self._token_ids(prompt), salt
+        raise ValueError(f"prompt: expected str, list[int] or dict, got {type(prompt).__name__}")
+
+    @staticmethod
+    def _token_ids(ids) -> list[int]:
+        """Token ids as Python ints (numpy integers accepted; bools, floats and strings are not)."""
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        bad = [t for t in ids if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))]
+        if bad:
+            raise ValueError(f"prompt_token_ids: {bad[:5]!r} are not integer token ids")
+        return [int(t) for t in ids]
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams | BeamSearchParams) -> None:
+        """The checks on a tokenized request that need no compilation (grammars are compiled by
+        `process`)."""
+        if not isinstance(params, (SamplingParams, BeamSearchParams)):
+            raise ValueError(f"sampling_params: expected SamplingParams or BeamSearchParams, "
+                             f"got {type(params).__name__}")
+        params.validate()
+        vocab = self.vocab_size
+        params.validate_for_vocab(vocab, self.tokenizer)  # ids, logprobs, beam width, a tokenizer
+        if isinstance(params, BeamSearchParams):
+            params = SamplingParams(n=params.beam_width, max_tokens=params.max_tokens)
+        sc = self.scheduler_config
+        if params.n > sc.max_num_seqs:
+            raise ValueError(f"max_num_seqs={sc.max_num_seqs}: smaller than the request's {params.n} "
+                             "sequences (n or beam_width), which must run in one step")
+        if params.n > sc.max_num_batched_tokens:
+            raise ValueError(f"max_num_batched_tokens={sc.max_num_batched_tokens}: smaller than the request's "
+                             f"{params.n} sequences (n or beam_width), which each need a token per step")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt: empty prompt (0 tokens)")
+        bad = [t for t in prompt_token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids: {bad[:5]} outside the vocabulary [0, {vocab})")
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt: {n} tokens, but max_model_len={self.max_model_len} leaves no room "
+                             f"to generate (the prompt must be shorter)")
+        max_len = min(self.max_model_len, n + (params.max_tokens or self.max_model_len))
+        need = params.n * cdiv(max_len, self.block_size)
+        if need > self.num_blocks:
+            raise ValueError(f"num_kv_blocks={self.num_blocks}: too small for this request, which may need "
+                             f"{need} blocks of {self.block_size} tokens ({params.n} x {max_len} tokens)")
+
+    def process(self, request_id: str, prompt, params: SamplingParams | BeamSearchParams | None = None, *,
+                cache_salt: str | None = None) -> Request:
+        """The request, validated, its bad words tokenized and its grammar compiled (cached);
+        ``prompt`` may carry its own ``cache_salt`` (``{"prompt_token_ids": ..., "cache_salt": ...}``).
+        With `BeamSearchParams` it is a beam search (beams scheduled together)."""
+        params = SamplingParams() if params is None else params
+        text, token_ids, salt = self.tokenize(prompt)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt: expected a string, got {type(cache_salt).__name__}")
+        self.validate(token_ids, params)
+        grammar, bad_word_ids = None, []
+        if isinstance(params, SamplingParams):
+            grammar, bad_word_ids = self._compile(params)
+        beam = None
+        if isinstance(params, BeamSearchParams):
+            max_new = min(params.max_tokens, self.max_model_len - len(token_ids))
+            beam = beam_search.BeamState(params, max_new)
+            params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=params.ignore_eos)
+            params.logprobs = 2 * beam.params.beam_width  # each beam's top 2k next tokens
+        cache_salt = cache_salt if cache_salt is not None else salt
+        if params.prompt_logprobs is not None:  # cached blocks are never run: skip the cache
+            cache_salt = f"{cache_salt}/prompt_logprobs/{request_id}"
+        request = Request(str(request_id), text, token_ids, params, eos_token_ids=self.eos_token_ids,
+                          cache_salt=cache_salt, beam=beam, grammar=grammar, bad_word_ids=bad_word_ids)
+        request.seqs[0].max_tokens = min(params.max_tokens or self.max_model_len, self.max_model_len - len(token_ids))
+        return request
+
+    def _compile(self, params: SamplingParams):
+        """(grammar or None, bad words as token ids) of a validated request."""
+        grammar = None
+        bad_word_ids = bad_word_token_ids(params.bad_words, self.tokenizer) if params.bad_words else []
+        if params.structured_outputs is not None:
+            grammar = compile_grammar(params.structured_outputs, self.tokenizer, self.vocab_size)
+        return grammar, bad_word_ids

@@ -1,0 +1,191 @@
+"""LLMEngine: the loop. add_request / step / abort_request / has_unfinished_requests.
+
+One step reads top to bottom:
+    out = scheduler.schedule()                       # who runs, with which blocks (plain data)
+    results = runner.execute(out)                    # swaps, copies, the jitted step, sampling
+    advanced = scheduler.update_from_output(out, r)  # tokens appended, forks, stops, frees
+    stops = output_processor.process(advanced)       # text, stop strings; the engine applies them
+A step that raises fails only the requests it carried (finish_reason "error"); the engine goes on.
+"""
+import logging
+import time
+
+from jpaged.config import EngineConfig
+from jpaged.core.request import Request
+from jpaged.core.scheduler_output import SchedulerOutput
+from jpaged.engine import startup
+from jpaged.engine.input_processor import InputProcessor
+from jpaged.engine.output_processor import OutputProcessor
+from jpaged.engine.step_timing import StepTimings
+from jpaged.logger import configure_logging
+from jpaged.outputs import RequestOutput
+from jpaged.sampling_params import BeamSearchParams, SamplingParams
+
+logger = logging.getLogger("jpaged")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model=None, tokenizer=None, devices=None):
+        """Loads ``config.model`` (or serves ``model``, an NNX model already in memory) onto a mesh
+        of ``tensor_parallel_size`` devices (the first ones, or ``devices``)."""
+        configure_logging()
+        self.config = config
+        parts = startup.build(config, model, tokenizer, devices)
+        self.mesh, self.dtype, self.kv_cache_dtype = parts.mesh, parts.dtype, parts.kv_cache_dtype
+        self.attention_backend, self.model_config = parts.attention_backend, parts.model_config
+        self.tokenizer, self.max_model_len, self.num_blocks = parts.tokenizer, parts.max_model_len, parts.num_blocks
+        self.kv_cache, self.scheduler, self.runner = parts.kv_cache, parts.scheduler, parts.runner
+        self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
+                                              self.num_blocks, config.cache.block_size, config.scheduler,
+                                              parts.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.peak_kv_cache_usage = 0.0
+        self.num_failed_steps = 0
+        self.step_timings = StepTimings()  # of the steps since start
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The tokens that end a sequence (unless ``ignore_eos``), given to each new request."""
+        return self.input_processor.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids) -> None:
+        self.input_processor.eos_token_ids = tuple(ids)
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        """Every unfinished request, by id."""
+        return self.scheduler.requests
+
+    # Requests ---------------------------------------------------------------------------------------
+    def process(self, request_id: str, prompt, sampling_params: SamplingParams | BeamSearchParams | None = None,
+                *, cache_salt: str | None = None) -> Request:
+        """A validated request, not queued yet (`InputProcessor.process`; safe from any thread)."""
+        return self.input_processor.process(request_id, prompt, sampling_params, cache_salt=cache_salt)
+
+    def add_request(self, request_id: str | Request, prompt=None,
+                    sampling_params: SamplingParams | BeamSearchParams | None = None, *,
+                    cache_salt: str | None = None) -> Request:
+        """Queues a request (a `Request` from `process`, or an id with its prompt and parameters);
+        with `BeamSearchParams` it is a beam search. ``prompt`` may carry its own ``cache_salt``."""
+        request = request_id if isinstance(request_id, Request) else self.process(
+            request_id, prompt, sampling_params, cache_salt=cache_salt)
+        self.scheduler.add_request(request)
+        return request
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.get(str(request_id))
+        if request is None:
+            return None
+        output = None
+        if request.beam is not None:  # report the beams as they stand, then end the search
+            output = self.output_processor.output(request, finish_reason="abort")
+            request.beam.done = True
+        for seq in request.live_seqs:
+            seq.finish_reason = "abort"
+        self._end(request)
+        return output or self.output_processor.output(request)
+
+    def _end(self, request: Request) -> None:
+        """Forgets a request that has ended: its blocks, its host copy, its per-request state."""
+        self.scheduler.finish(request)
+        for seq in request.seqs:
+            seq.detokenizer = None
+        request.metrics.finished_time = time.time()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # The loop ---------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduling + model step; outputs of every request that advanced (or ended)."""
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        scheduled = time.perf_counter()
+        self.peak_kv_cache_usage = max(self.peak_kv_cache_usage, self.kv_cache.usage())
+        if not out.requests:
+            return self._fail_unschedulable()
+        try:
+            results = self.runner.execute(out)
+        except Exception as error:  # noqa: BLE001 -- any failure ends only this step's requests
+            return self._fail_step(out, error)
+        now = time.time()
+        advanced: dict[str, Request] = {}  # each request once, with its state after the last step
+        for i, result in enumerate(results):  # a decode window: its steps' tokens in order
+            updates = self.scheduler.update_from_output(out, result, step_index=i)
+            self.scheduler.stop_sequences(self.output_processor.process(updates))
+            for request, seqs in updates:
+                if request.metrics.first_token_time is None and seqs:
+                    request.metrics.first_token_time = now
+                advanced[request.request_id] = request
+        outputs = []
+        for request in advanced.values():
+            if request.finished:
+                self._end(request)
+            outputs.append(self.output_processor.output(request))
+        self.step_timings.add(out.num_tokens * out.num_steps, steps=out.num_steps, schedule=scheduled - start,
+                              prepare=results[0].prepare_seconds, device=results[0].device_seconds,
+                              post=time.perf_counter() - scheduled - results[0].prepare_seconds
+                              - results[0].device_seconds)
+        return outputs
+
+    def _fail_step(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        """Ends the step's requests with finish_reason "error"; the engine goes on with the rest.
+
+        Blocks registered in the prefix cache this step were never written, so free cached blocks
+        are forgotten; if the failure consumed the donated KV pool, a new pool is made and every
+        running request recomputes.
+        """
+        logger.error("engine step failed; ending its %d request(s): %r", len(out.requests), error)
+        self.num_failed_steps += 1
+        requests = [self.requests[r.request_id] for r in out.requests if r.request_id in self.requests]
+        outputs = [self._end_with_error(request, repr(error)) for request in requests]
+        if self.runner.kv_pool.lost():
+            self.scheduler.preempt_all()
+            self.runner.kv_pool.reset()
+        if hasattr(self.kv_cache.pool, "forget_free_blocks"):
+            self.kv_cache.pool.forget_free_blocks()
+        return outputs
+
+    def _fail_unschedulable(self) -> list[RequestOutput]:
+        """With nothing running, a waiting request that still cannot be scheduled never will be."""
+        sched = self.scheduler
+        if sched.running or not sched.waiting:
+            return []
+        request = sched.waiting[0]
+        logger.error("request %s cannot be scheduled with these engine settings; ended", request.request_id)
+        return [self._end_with_error(request, "cannot be scheduled with these engine settings")]
+
+    def _end_with_error(self, request: Request, reason: str) -> RequestOutput:
+        """Ends a request with finish_reason "error" (beams too) and returns its last output."""
+        for seq in request.live_seqs:  # before a beam search is marked done: then it has none live
+            seq.finish_reason, seq.stop_reason = "error", reason
+        if request.beam is not None:
+            request.beam.done = True
+        self._end(request)
+        return self.output_processor.output(request)
+
+    # Metrics -----------------------------------------------------------------------------------------
+    def get_metrics(self) -> dict:
+        running_seqs = [s for r in self.scheduler.running for s in r.live_seqs]
+        pool = self.kv_cache.pool
+        return {
+            "kv_cache_usage": self.kv_cache.usage(),
+            "kv_cache_utilization": self.kv_cache.utilization(running_seqs),
+            "peak_kv_cache_usage": self.peak_kv_cache_usage,
+            "num_total_blocks": pool.num_blocks,
+            "num_free_blocks": pool.num_free_blocks,
+            "num_running_requests": len(self.scheduler.running),
+            "num_waiting_requests": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_swap_outs": self.scheduler.num_swap_outs,
+            "prefix_cache_queries": self.kv_cache.prefix_cache_queries,
+            "prefix_cache_hits": self.kv_cache.prefix_cache_hits,
+            "num_compilations": self.runner.num_compilations,
+            "num_failed_steps": self.num_failed_steps,
+            "block_size": self.config.cache.block_size,
+            "attention_backend": self.attention_backend,
+        }

@@ -1,0 +1,167 @@
+"""Start-up: from an `EngineConfig` to the engine's parts, each decided once.
+
+The platform decides the defaults (bfloat16 and the Pallas kernels on TPU/GPU, float32 and the
+``xla`` backend with the C++ kernels on the CPU); the model is loaded (or taken as given) onto a
+mesh of ``tensor_parallel_size`` devices; the KV pool is sized from ``num_kv_blocks`` or a byte
+budget; then the KV cache manager, the scheduler and the model runner are built and the step
+shapes compiled.
+"""
+import dataclasses
+import logging
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+
+import jpaged_kernels
+from jpaged import sharding
+from jpaged.config import DTYPES, EngineConfig, check_kv_cache_dtype
+from jpaged.core.kv_cache_manager import KVCacheManager
+from jpaged.core.scheduler import Scheduler
+from jpaged.loading import load_model
+from jpaged.runner import kv_pool, precompile
+from jpaged.runner.buckets import StepBuckets
+from jpaged.runner.compile_counter import CompileCounter
+from jpaged.runner.model_runner import ModelRunner
+from jpaged.utils import cdiv, release_free_host_memory
+
+logger = logging.getLogger("jpaged")
+
+
+@dataclasses.dataclass
+class EngineParts:
+    """What `LLMEngine` runs on."""
+
+    mesh: object
+    dtype: object            # weights and activations
+    kv_cache_dtype: object   # KV pages (8-bit ones carry scales)
+    attention_backend: str   # "pallas" | "xla"
+    model_config: object
+    tokenizer: object
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    num_blocks: int
+    kv_cache: object         # KVCacheManager, or a reservation baseline
+    scheduler: Scheduler
+    runner: ModelRunner
+
+
+def enable_compilation_cache(path: str | None) -> None:
+    """JAX's persistent compilation cache (a process-wide JAX setting, left alone when the user set
+    it), so a second start compiles nothing."""
+    if jax.config.jax_compilation_cache_dir:
+        return
+    path = path or os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "jax")
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.05)
+
+
+def resolve_platform(config: EngineConfig, mesh) -> tuple[object, str, object]:
+    """(model dtype, attention backend, KV page dtype) for the mesh's platform."""
+    device = mesh.devices.flat[0]
+    platform = device.platform
+    dtype = DTYPES[config.dtype] if config.dtype != "auto" else (jnp.float32 if platform == "cpu" else jnp.bfloat16)
+    backend = config.attention_backend
+    if backend == "auto":
+        backend = "pallas" if platform in ("tpu", "gpu") else "xla"
+    kv_name = config.cache.kv_cache_dtype
+    check_kv_cache_dtype(kv_name, backend, platform, getattr(device, "compute_capability", None))
+    kv_dtype = dtype if kv_name == "auto" else jpaged_kernels.KV_DTYPES[kv_name]
+    return dtype, backend, kv_dtype
+
+
+def load(config: EngineConfig, model, tokenizer, *, dtype, backend: str, mesh):
+    """The model to serve and its tokenizer: loaded from ``config.model`` (default: the embedded
+    GGUF), or the in-memory ``model`` as it is."""
+    if model is not None:
+        if config.quantization is not None:
+            raise ValueError(f"quantization={config.quantization!r}: applies to a model loaded by path; "
+                             "an in-memory model is served with its parameters as they are")
+        c, tp = model.config, config.tensor_parallel_size
+        if sharding.kv_head_replication(c.num_heads, c.num_kv_heads, tp) != 1:
+            raise ValueError(f"tensor_parallel_size={tp}: an in-memory model with {c.num_kv_heads} KV heads "
+                             "cannot be split; load it by path to replicate KV heads")
+        return model, tokenizer
+    path = config.model
+    if path is None:
+        from jpaged.loading.gguf_loader import default_model_path
+        path = default_model_path()
+    model, _, tokenizer = load_model(path, dtype=dtype, mesh=mesh, attention_backend=backend,
+                                     quantization=config.quantization)
+    release_free_host_memory()
+    return model, tokenizer
+
+
+def num_kv_blocks(config: EngineConfig, mesh, per_block: int, max_model_len: int) -> tuple[int, str]:
+    """Pool size and where it came from: ``num_kv_blocks``, else a byte budget
+    (``kv_cache_memory_bytes``, else the device's free memory x ``memory_utilization``, else on CPU
+    ``cpu_default_bytes``), never more than ``max_num_seqs`` sequences of ``max_model_len`` tokens
+    could use."""
+    cc, sc = config.cache, config.scheduler
+    if cc.num_kv_blocks is not None:
+        return cc.num_kv_blocks, "num_kv_blocks"
+    if cc.kv_cache_memory_bytes is not None:
+        budget, source = cc.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+    else:
+        stats = mesh.devices.flat[0].memory_stats() or {}
+        if "bytes_limit" in stats:
+            budget = int(stats["bytes_limit"] * cc.memory_utilization) - stats.get("bytes_in_use", 0)
+            source = f"memory_utilization={cc.memory_utilization}"
+        else:  # CPU: devices report no memory
+            budget, source = cc.cpu_default_bytes, "the CPU default"
+    n = min(budget // per_block, sc.max_num_seqs * cdiv(max_model_len, cc.block_size))
+    if n < 1:
+        raise ValueError(f"kv_cache_memory_bytes={budget}: too small for one KV block of {per_block} bytes")
+    return int(n), source
+
+
+def kv_cache_manager(config: EngineConfig, num_blocks: int, max_model_len: int):
+    cc = config.cache
+    if cc.allocator == "paged":
+        return KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, cc.share_forked_blocks)
+    from jpaged.core.reservation import ReservationKVCacheManager  # the paper's baselines
+    return ReservationKVCacheManager(num_blocks, cc.block_size, mode=cc.allocator, max_model_len=max_model_len)
+
+
+def build(config: EngineConfig, model=None, tokenizer=None, devices=None) -> EngineParts:
+    """Every part of an engine, its step shapes compiled (all of them with ``precompile``)."""
+    mesh = sharding.make_mesh(config.tensor_parallel_size, devices)
+    enable_compilation_cache(config.compilation_cache_dir)
+    dtype, backend, kv_dtype = resolve_platform(config, mesh)
+    model, tokenizer = load(config, model, tokenizer, dtype=dtype, backend=backend, mesh=mesh)
+    mc, sc, cc = model.config, config.scheduler, config.cache
+    if sc.max_model_len is not None and sc.max_model_len > mc.max_position_embeddings:
+        raise ValueError(f"max_model_len={sc.max_model_len}: exceeds the model's "
+                         f"max_position_embeddings={mc.max_position_embeddings}")
+    max_model_len = sc.max_model_len or mc.max_position_embeddings
+    eos = tuple(mc.eos_token_ids) or (
+        (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ())
+    per_block = kv_pool.bytes_per_block(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                                        block_size=cc.block_size, dtype=kv_dtype,
+                                        tensor_parallel_size=config.tensor_parallel_size)
+    num_blocks, source = num_kv_blocks(config, mesh, per_block, max_model_len)
+    kv_name = jnp.dtype(kv_dtype).name
+    if jpaged_kernels.quant.is_quantized(kv_dtype):
+        kv_name += f" + {jnp.dtype(jpaged_kernels.SCALE_DTYPE).name} scales"
+    logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB per device (%s); %s, %d bytes per token "
+                "per device; set num_kv_blocks or kv_cache_memory_bytes to change it", num_blocks, cc.block_size,
+                num_blocks * cc.block_size, num_blocks * per_block / 2**20, source, kv_name,
+                per_block // cc.block_size)
+    kv_cache = kv_cache_manager(config, num_blocks, max_model_len)
+    swap_blocks = cc.swap_space_bytes // per_block if cc.preemption_mode == "swap" else 0
+    scheduler = Scheduler(sc, kv_cache, max_model_len=max_model_len, preemption_mode=cc.preemption_mode,
+                          swap_capacity_blocks=swap_blocks, seed=config.seed)
+    pool = kv_pool.KVPool(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                          num_blocks=num_blocks, block_size=cc.block_size, dtype=kv_dtype, mesh=mesh,
+                          num_host_blocks=swap_blocks, counter=CompileCounter())
+    buckets = StepBuckets(sc.max_num_seqs, max_model_len, cc.block_size, backend)
+    runner = ModelRunner(model, pool, buckets, mesh=mesh, dtype=dtype, max_decode_window=sc.num_scheduler_steps,
+                         whole_step=mesh.devices.flat[0].platform in ("tpu", "gpu"))
+    start = time.perf_counter()
+    precompile.warm_up(runner, max_tokens=sc.max_num_batched_tokens, max_seqs=sc.max_num_seqs,
+                       precompile=config.precompile, decode_windows=sc.num_scheduler_steps > 1)
+    logger.debug("warm-up took %.1f s", time.perf_counter() - start)
+    return EngineParts(mesh=mesh, dtype=dtype, kv_cache_dtype=kv_dtype, attention_backend=backend, model_config=mc,
+                       tokenizer=tokenizer, max_model_len=max_model_len, eos_token_ids=eos, num_blocks=num_blocks,
+                       kv_cache=kv_cache, scheduler=scheduler, runner=runner)

@@ -1,0 +1,122 @@
+"""The device KV pool and its host swap buffer, with the block moves a step asks for.
+
+A layer's cache is a tuple of pool arrays that all lead with ``[num_kv_heads, num_blocks,
+block_size]``: ``(k_pages, v_pages)``, or with 8-bit pages ``(k_pages, v_pages, k_scales,
+v_scales)``. Block moves treat every array alike, so scales always travel with their pages. The
+pool is split over the mesh's ``model`` axis on its head axis (tensor parallelism).
+
+Moves: copy-on-write copies (``copy_blocks``, one batched call per step), and swapping between
+the device pool and a host buffer of ``num_host_blocks`` blocks (filled only when a request is
+swapped out) by the block-id pairs of the step.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jpaged_kernels
+from jpaged import sharding
+from jpaged.runner.compile_counter import CompileCounter
+from jpaged.utils import padded_ids
+
+
+def _gather_blocks(kv_caches, blocks):
+    """The blocks of every layer: one [L, Hkv, len(blocks), block_size, ...] array per pool array
+    of a layer (K and V pages, then scales)."""
+    return tuple(jnp.stack([layer[i][:, blocks] for layer in kv_caches]) for i in range(len(kv_caches[0])))
+
+
+def _scatter_blocks(kv_caches, blocks, data):
+    """Writes `_gather_blocks`'s ``data`` into ``blocks`` (negative ids: dropped)."""
+    nb = kv_caches[0][0].shape[1]
+    dst = jnp.where(blocks < 0, nb, blocks)
+    return [tuple(x.at[:, dst].set(d[i], mode="drop") for x, d in zip(layer, data))
+            for i, layer in enumerate(kv_caches)]
+
+
+def _copy_blocks(kv_caches, src, dst):
+    def copy(layer, src, dst):
+        return jpaged_kernels.copy_blocks(*layer[:2], src, dst, **jpaged_kernels.quant.scales_of(layer))
+
+    if sharding.model_axis_size() > 1:  # the kernel copies each device's slice of the blocks
+        copy = sharding.shard_heads(copy, (sharding.POOL, sharding.REPLICATED, sharding.REPLICATED),
+                                    sharding.POOL)
+    return [copy(tuple(layer), src, dst) for layer in kv_caches]
+
+
+def bytes_per_block(*, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype,
+                    tensor_parallel_size: int = 1) -> int:
+    """Bytes of one block of every layer on one device (its heads' slice, at least one head),
+    scales of 8-bit pages included."""
+    heads_per_device = max(1, num_kv_heads // tensor_parallel_size)
+    return 2 * num_layers * heads_per_device * block_size * jpaged_kernels.quant.bytes_per_row(head_dim, dtype)
+
+
+class KVPool:
+    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
+                 dtype, mesh, num_host_blocks: int = 0, counter: CompileCounter | None = None):
+        """``dtype``: the pages' dtype; int8 or float8_e4m3fn pages carry bfloat16 scales."""
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.shape = (num_kv_heads, num_blocks, block_size, head_dim)
+        self.dtype, self.mesh = dtype, mesh
+        self.num_host_blocks = num_host_blocks
+        self.counter = counter or CompileCounter()
+        self.caches = self.new_caches()
+        self.host: tuple[np.ndarray, ...] | None = None  # made at the first swap-out
+        self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
+        self._gather = jax.jit(_gather_blocks, out_shardings=sharding.replicated(mesh))
+        self._scatter = jax.jit(_scatter_blocks, donate_argnums=(0,))
+
+    def array_specs(self) -> list[tuple[tuple, object]]:
+        """(shape, dtype) of each array of one layer's cache."""
+        arrays = [(self.shape, self.dtype)] * 2
+        if jpaged_kernels.quant.is_quantized(self.dtype):
+            arrays += [(self.shape[:3], jpaged_kernels.SCALE_DTYPE)] * 2
+        return arrays
+
+    def shardings(self):
+        """The sharding of each array of every layer (the structure of `caches`)."""
+        return [tuple(sharding.kv_pool_sharding(self.mesh, len(s)) for s, _ in self.array_specs())
+                for _ in range(self.num_layers)]
+
+    def new_caches(self):
+        return [tuple(sharding.zeros_sharded(s, dt, sharding.kv_pool_sharding(self.mesh, len(s)))
+                      for s, dt in self.array_specs()) for _ in range(self.num_layers)]
+
+    def lost(self) -> bool:
+        """Whether a failed step consumed the donated pool (then `reset` makes a new one)."""
+        return any(x.is_deleted() for layer in self.caches for x in layer)
+
+    def reset(self) -> None:
+        self.caches = self.new_caches()
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """All copy-on-write copies (src, dst) of one step, in one call."""
+        if not copies:
+            return
+        src, dst = (padded_ids(list(ids), 4) for ids in zip(*copies))
+        with jax.set_mesh(self.mesh):
+            self.caches = self.counter.call("copy", self._copy, self.caches, src, dst, num_fixed=1)
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies device blocks into host blocks, (device, host) pairs (one device -> host transfer)."""
+        if not pairs:
+            return
+        device, host = zip(*pairs)
+        data = jax.device_get(self._gather(self.caches, padded_ids(list(device), 4, fill=0)))
+        if self.host is None:
+            self.host = tuple(np.zeros(d.shape[:2] + (self.num_host_blocks,) + d.shape[3:], d.dtype) for d in data)
+        for buffer, d in zip(self.host, data):  # each [L, Hkv, blocks, block_size, ...]
+            buffer[:, :, list(host)] = d[:, :, :len(host)]
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies host blocks into device blocks, (host, device) pairs (one host -> device transfer)."""
+        if not pairs:
+            return
+        host, device = zip(*pairs)
+        blocks = padded_ids(list(device), 4)
+        data = []
+        for buffer in self.host:
+            d = buffer[:, :, list(host)]
+            pad = np.zeros(d.shape[:2] + (len(blocks) - d.shape[2],) + d.shape[3:], d.dtype)
+            data.append(np.concatenate([d, pad], axis=2))
+        self.caches = self._scatter(self.caches, blocks, tuple(data))

@@ -1,0 +1,220 @@
+"""Host arrays -> padded static-shape batch -> jitted step -> sampled tokens.
+
+``execute(scheduler_output)`` does a step's block moves (swaps, copy-on-write copies), pads the
+step to its buckets (`buckets.StepBuckets`, `inputs.prepare_inputs`), runs the jitted step and
+returns the sampled tokens. It reads only the output's plain data, never a request.
+
+Two ways to run a step: on TPU/GPU (and for models without `LayerPieces`) one jitted function does
+the forward, the logits and the sampler (one executable per step shape); on the CPU the model runs
+piece by piece (embed, calls of up to six layers, rows, head, sampler), which keeps compiling a new
+shape cheap. Each layer's KV pool is donated to its call, so XLA updates it in place.
+"""
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jpaged import sharding
+from jpaged.core.scheduler_output import SchedulerOutput
+from jpaged.models.attention import attention_backend_of, make_attention_metadata
+from jpaged.runner.buckets import StepBuckets
+from jpaged.runner.decode_window import decode_window
+from jpaged.runner.inputs import prepare_inputs
+from jpaged.runner.kv_pool import KVPool
+from jpaged.runner.layer_pieces import LayerPieces
+from jpaged.sample.sampler import (prompt_logprob_tensors, prompt_logprobs, sample, sampling_tensors)
+from jpaged.sample.sampling_batch import SamplingBatch
+
+
+@dataclasses.dataclass
+class StepResult:
+    """Sampled tokens, one per sample row of the step."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+    prompt_logprobs: tuple | None = None  # (target logprobs, top ids, top logprobs) per prompt row
+    prepare_seconds: float = 0.0  # host: copies, swaps, batch, metadata, sampling tensors
+    device_seconds: float = 0.0   # dispatch until the sampled tokens are on the host
+
+
+def _take_rows(x, indices):
+    return x[indices]
+
+
+class ModelRunner:
+    """Owns the device side: parameters, the KV pool, and the jitted functions that use them."""
+
+    def __init__(self, model, kv_pool: KVPool, buckets: StepBuckets, *, mesh, dtype, max_decode_window: int = 1,
+                 whole_step: bool = False):
+        """``dtype``: the model's activations. ``whole_step``: one jitted function per step
+        (accelerators), else layer pieces where the model has them. ``max_decode_window``: the most
+        decode steps one window runs."""
+        self.config, self.dtype = model.config, dtype
+        self.kv_pool, self.buckets, self.mesh = kv_pool, buckets, mesh
+        self.counter = kv_pool.counter
+        self.attention_backend = attention_backend_of(model)
+        graphdef, state = nnx.split(model)
+        self.graphdef, self.state = graphdef, sharding.shard_state(state, mesh)
+        replicated, pool = sharding.replicated(mesh), kv_pool.shardings()
+        self._replicated = replicated
+        self.pieces = None if whole_step else LayerPieces.of(nnx.merge(graphdef, self.state))  # a view
+        if self.pieces is None:
+            self._step = jax.jit(self._whole_step, donate_argnums=(1,), out_shardings=(replicated, pool))
+        else:  # embed, one jit per layer structure (shared by the layers), rows, head, sampler
+            self._embed = jax.jit(self.pieces.embed)
+            self._layers = {(group, end - first): jax.jit(self.pieces.layer_fns[group], donate_argnums=(1,),
+                                                          out_shardings=(replicated, pool[first:end]))
+                            for group, first, end in self.pieces.calls}
+            self._take_rows = jax.jit(_take_rows)  # apart from the head: it alone depends on both counts
+            self._head = jax.jit(self.pieces.head, out_shardings=replicated)
+            self._sample = jax.jit(sample)
+        window = functools.partial(decode_window, self._logits, max_steps=max_decode_window,
+                                   block_size=buckets.block_size, vocab_size=self.config.vocab_size)
+        self._window = jax.jit(window, donate_argnums=(1,), out_shardings=(replicated, pool))
+
+    @property
+    def num_compilations(self) -> int:
+        """Distinct argument shapes the step's jitted pieces, the sampler and block moves have been
+        called with: each is one compilation (or one load from the persistent compilation cache)."""
+        return len(self.counter)
+
+    # A step -------------------------------------------------------------------------------------------
+    def execute(self, out: SchedulerOutput) -> list[StepResult]:
+        """Runs the step (``out.num_steps`` of them for a decode window): one result per step."""
+        start = time.perf_counter()
+        self.kv_pool.swap_out(out.swap_out)  # before anything this step writes into the freed blocks
+        self.kv_pool.swap_in(out.swap_in)
+        self.kv_pool.copy_blocks(out.block_copies)
+        inputs = prepare_inputs(out, self.buckets)
+        md = make_attention_metadata(self.attention_backend, positions=inputs.positions,
+                                     slot_mapping=inputs.slot_mapping, query_start_loc=inputs.query_start_loc,
+                                     seq_lens=inputs.seq_lens, block_tables=inputs.block_tables,
+                                     num_seqs=inputs.num_seqs)
+        sampling = sampling_tensors(out.sampling, inputs.num_rows)
+        n = len(out.sample_rows)
+        prepared = time.perf_counter()
+        with jax.set_mesh(self.mesh):
+            if out.num_steps > 1:
+                min_tokens = np.zeros(inputs.num_rows, np.int32)
+                min_tokens[:n] = out.sampling.min_tokens
+                sampled, self.kv_pool.caches = self.counter.call(
+                    "window", self._window, self._params(), self.kv_pool.caches, inputs.input_ids, md,
+                    inputs.logits_indices, sampling, min_tokens, np.int32(out.num_steps), num_fixed=2)
+                sampled = [np.asarray(a) for a in sampled]  # each [max steps, rows, ...]
+                results = [StepResult(*(a[i, :n] for a in sampled)) for i in range(out.num_steps)]
+            else:
+                prompt_lp = prompt_logprob_tensors(out.prompt_logprob_rows, inputs.prompt_logprob_indices)
+                sampled, prompt_out = self._run(inputs, md, sampling, prompt_lp)
+                results = [StepResult(*(np.asarray(a)[:n] for a in sampled),
+                                      prompt_logprobs=None if prompt_out is None
+                                      else tuple(np.asarray(a) for a in prompt_out))]
+        results[0].prepare_seconds, results[0].device_seconds = prepared - start, time.perf_counter() - prepared
+        return results
+
+    def _run(self, inputs, md, sampling, prompt_lp):
+        """(sampled tokens, logprobs, top ids, top logprobs), prompt-logprob results or None."""
+        if self.pieces is None:
+            (sampled, prompt_out), self.kv_pool.caches = self.counter.call(
+                "step", self._step, self.state, self.kv_pool.caches, inputs.input_ids, md, inputs.logits_indices,
+                prompt_lp, sampling, num_fixed=2)
+            return sampled, prompt_out
+        p = self.pieces
+        md = jax.device_put(md, self._replicated)  # once, not once per layer
+        x, extra = self.counter.call("embed", self._embed, p.shell_state, inputs.input_ids, md.positions,
+                                     num_fixed=1)
+        for group, count in self._layers:  # every call of one key has the same argument shapes
+            self.counter.note(f"layers{group}x{count}", x, extra, md)
+        caches = self.kv_pool.caches
+        new_caches = []
+        for group, first, end in p.calls:
+            x, layer_caches = self._layers[group, end - first](p.layer_leaves[first:end], caches[first:end], x,
+                                                               extra, md)
+            new_caches += layer_caches
+        self.kv_pool.caches = new_caches
+        hidden = self.counter.call("rows", self._take_rows, x, inputs.logits_indices)
+        prompt_hidden = None if prompt_lp is None else self.counter.call("rows", self._take_rows, x,
+                                                                         prompt_lp.indices)
+        logits, prompt_out = self.counter.call("head", self._head, p.shell_state, hidden, prompt_hidden,
+                                               prompt_lp, num_fixed=1)
+        return self.counter.call("sample", self._sample, logits, sampling), prompt_out
+
+    # The jitted functions -------------------------------------------------------------------------------
+    def _whole_step(self, state, kv_caches, input_ids, md, logits_indices, prompt_lp, sampling):
+        """Forward, logits and sampler in one function: ((sampled, prompt results), kv_caches)."""
+        model = nnx.merge(self.graphdef, state)
+        hidden, kv_caches = model(input_ids, md.positions, kv_caches, md)
+        prompt_out = None
+        if prompt_lp is not None:
+            prompt_out = prompt_logprobs(model.compute_logits(hidden[prompt_lp.indices]), prompt_lp)
+        return (sample(model.compute_logits(hidden[logits_indices]), sampling), prompt_out), kv_caches
+
+    def _params(self):
+        return self.state if self.pieces is None else (self.pieces.shell_state, self.pieces.layer_leaves)
+
+    def _logits(self, params, kv_caches, input_ids, md, logits_indices):
+        """The sampled rows' logits, traced whole (embed, every layer, head): a decode window's step."""
+        if self.pieces is None:
+            model = nnx.merge(self.graphdef, params)
+            hidden, kv_caches = model(input_ids, md.positions, kv_caches, md)
+            return model.compute_logits(hidden[logits_indices]), kv_caches
+        p, (shell_state, layer_leaves) = self.pieces, params
+        x, extra = p.embed(shell_state, input_ids, md.positions)
+        new_caches = []
+        for group, first, end in p.calls:
+            x, caches = p.layer_fns[group](layer_leaves[first:end], kv_caches[first:end], x, extra, md)
+            new_caches += caches
+        return p.head(shell_state, x[logits_indices])[0], new_caches
+
+    # Precompiling -----------------------------------------------------------------------------------------
+    def compile_heads(self, max_tokens: int, max_seqs: int) -> None:
+        """Compiles what follows the layers for every sampled-row bucket: taking the rows out of
+        each token bucket, the logits, and the sampler (greedy, and sampled without penalties or
+        filters). A whole-step runner compiles these with its steps (`precompile`)."""
+        if self.pieces is None:
+            return
+        hidden_size = self.config.hidden_size
+        with jax.set_mesh(self.mesh):
+            for t_pad in self.buckets.token_buckets(max_tokens):
+                x = np.zeros((t_pad, hidden_size), self.dtype)
+                for r_pad in self.buckets.row_buckets(t_pad):
+                    self.counter.call("rows", self._take_rows, x, np.zeros(r_pad, np.int32))
+            for r_pad in self.buckets.token_buckets(max_seqs):
+                hidden = np.zeros((r_pad, hidden_size), self.dtype)
+                logits, _ = self.counter.call("head", self._head, self.pieces.shell_state, hidden, None, None,
+                                              num_fixed=1)
+                for batch in plain_sampling(r_pad):
+                    jax.block_until_ready(self.counter.call("sample", self._sample, logits,
+                                                            sampling_tensors(batch, r_pad)))
+
+    def compile_decode_windows(self, max_seqs: int) -> None:
+        """Compiles the decode window of every decode-only batch shape (greedy, and sampled without
+        penalties or filters)."""
+        for rows in self.buckets.token_buckets(max_seqs):
+            t_pad, s_pad, b_pad = self.buckets.shape(rows, rows, 1)
+            md = make_attention_metadata(
+                self.attention_backend, positions=np.zeros(t_pad), slot_mapping=np.full(t_pad, -1),
+                query_start_loc=np.zeros(s_pad + 1), seq_lens=np.zeros(s_pad), num_seqs=0,
+                block_tables=np.zeros((s_pad, b_pad)))
+            for batch in plain_sampling(rows):
+                with jax.set_mesh(self.mesh):
+                    _, self.kv_pool.caches = self.counter.call(
+                        "window", self._window, self._params(), self.kv_pool.caches, np.zeros(t_pad, np.int32), md,
+                        np.zeros(rows, np.int32), sampling_tensors(batch, rows), np.zeros(rows, np.int32),
+                        np.int32(0), num_fixed=2)
+
+
+def plain_sampling(rows: int) -> list[SamplingBatch]:
+    """The sampling of ``rows`` rows that precompiling covers: greedy, and sampled without penalties
+    or filters."""
+    return [SamplingBatch(temperature=[t] * rows, top_k=[0] * rows, top_p=[1.0] * rows, min_p=[0.0] * rows,
+                          seeds=[0] * rows, steps=[0] * rows, min_tokens=[0] * rows,
+                          presence_penalty=[0.0] * rows, frequency_penalty=[0.0] * rows,
+                          repetition_penalty=[1.0] * rows, banned_token_ids=[[]] * rows, bias=[[]] * rows,
+                          allowed_token_ids=[[]] * rows, token_bitmask=np.zeros((rows, 0), np.int32))
+            for t in (0.0, 1.0)]

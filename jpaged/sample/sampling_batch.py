@@ -1,0 +1,120 @@
+"""Host side of sampling: the sample rows of one step -> a `SamplingBatch` of plain per-row values.
+
+The scheduler builds it when it schedules a step (it owns request state: building a row's grammar
+bitmask brings the sequence's grammar state up to date); the runner pads it into the jitted
+sampler's `SamplingTensors` (`jpaged.sample.sampler.sampling_tensors`). Nothing here imports JAX.
+"""
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jpaged.sample import structured_output
+
+
+@dataclass
+class SamplingBatch:
+    """Per sample row (``len(temperature)`` rows), unpadded. Token-id lists may differ in length."""
+
+    temperature: list[float] = field(default_factory=list)
+    top_k: list[int] = field(default_factory=list)
+    top_p: list[float] = field(default_factory=list)
+    min_p: list[float] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=list)        # uint32: the row's random stream
+    steps: list[int] = field(default_factory=list)        # output tokens the sequence has so far
+    min_tokens: list[int] = field(default_factory=list)   # EOS and stop tokens banned below this
+    presence_penalty: list[float] = field(default_factory=list)
+    frequency_penalty: list[float] = field(default_factory=list)
+    repetition_penalty: list[float] = field(default_factory=list)
+    output_token_ids: list[list[int]] = field(default_factory=list)  # only with penalties
+    prompt_token_ids: list[list[int]] = field(default_factory=list)  # only with penalties
+    banned_token_ids: list[list[int]] = field(default_factory=list)
+    bias: list[list[tuple[int, float]]] = field(default_factory=list)  # logit_bias, sorted by id
+    allowed_token_ids: list[list[int]] = field(default_factory=list)   # [] allows every token
+    token_bitmask: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))  # [rows, W]
+    num_logprobs: int = 0
+    use_filters: bool = False
+    use_penalties: bool = False
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.temperature)
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(t == 0 for t in self.temperature)
+
+
+def banned_tokens(request, seq) -> list[int]:
+    """Tokens the row may not emit now: EOS and stop tokens before ``min_tokens``, and the last token
+    of each bad word whose preceding tokens end the output so far."""
+    p = request.sampling_params
+    banned = []
+    if seq.num_output_tokens < p.min_tokens:
+        banned += list(request.eos_token_ids) + p.stop_token_ids
+    output = seq.output_token_ids
+    for word in request.bad_word_ids:
+        prefix = word[:-1]
+        if not prefix or (len(output) >= len(prefix) and output[len(output) - len(prefix):] == prefix):
+            banned.append(word[-1])
+    return banned
+
+
+def token_bitmask(rows) -> np.ndarray:
+    """[rows, W] int32 words of allowed tokens (all bits set for unconstrained rows); W = 0 when no
+    row is constrained. Creates a sequence's grammar state on its first step and brings it up to
+    date with the sequence's output tokens."""
+    grammars = [row[0].grammar for row in rows]
+    width = max((g.bitmask_width for g in grammars if g is not None), default=0)
+    mask = np.full((len(rows), width), -1, np.int32)
+    filled, copies, active = {}, [], []  # the n first-step rows of one sequence share its state
+    for i, ((request, seq, _), grammar) in enumerate(zip(rows, grammars)):
+        if grammar is None:
+            continue
+        if seq.seq_id in filled:
+            copies.append((i, filled[seq.seq_id]))
+            continue
+        filled[seq.seq_id] = i
+        if seq.structured is None:
+            seq.structured = grammar.new_state()
+        seq.structured.sync(seq.output_token_ids)
+        if seq.structured.active and grammar.bitmask_width == width:
+            active.append((seq.structured, i))
+        else:
+            seq.structured.fill_bitmask(mask[i, :grammar.bitmask_width], request.eos_token_ids)
+            mask[i, grammar.bitmask_width:] = 0
+    if active:
+        structured_output.fill_bitmasks(active, mask)
+    for i, j in copies:
+        mask[i] = mask[j]
+    return mask
+
+
+def build_sampling_batch(rows, engine_seed: int) -> SamplingBatch:
+    """``rows``: (request, sequence, sample index) per sample row of the step."""
+    params = [request.sampling_params for request, _, _ in rows]
+    seeds = []
+    for (request, _, index), p in zip(rows, params):
+        base = p.seed if p.seed is not None else f"{engine_seed}/{request.request_id}"
+        seeds.append(zlib.crc32(f"{base}/{index}".encode()))
+    use_penalties = any(p.uses_penalties for p in params)
+    return SamplingBatch(
+        temperature=[p.temperature for p in params],
+        top_k=[p.top_k for p in params],
+        top_p=[p.top_p for p in params],
+        min_p=[p.min_p for p in params],
+        seeds=seeds,
+        steps=[seq.num_output_tokens for _, seq, _ in rows],
+        min_tokens=[p.min_tokens for p in params],
+        presence_penalty=[p.presence_penalty for p in params],
+        frequency_penalty=[p.frequency_penalty for p in params],
+        repetition_penalty=[p.repetition_penalty for p in params],
+        output_token_ids=[seq.output_token_ids for _, seq, _ in rows] if use_penalties else [],
+        prompt_token_ids=[seq.token_ids[:seq.num_prompt_tokens] for _, seq, _ in rows] if use_penalties else [],
+        banned_token_ids=[banned_tokens(request, seq) for request, seq, _ in rows],
+        bias=[sorted((p.logit_bias or {}).items()) for p in params],
+        allowed_token_ids=[list(p.allowed_token_ids or []) for p in params],
+        token_bitmask=token_bitmask(rows),
+        num_logprobs=max(((p.logprobs or 0) for p in params), default=0),
+        use_filters=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
+        use_penalties=use_penalties)
