@@ -1,6 +1,4 @@
-"""Engine settings as dataclasses, each validated once at construction, and `engine_config`, which
-builds them from `LLM`'s keyword arguments."""
-import dataclasses
+"""Engine settings as dataclasses, each validated once at construction."""
 from dataclasses import dataclass, field
 
 import ml_dtypes
@@ -139,21 +137,3 @@ class EngineConfig:
         if not (isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1):
             _fail("EngineConfig", "tensor_parallel_size", self.tensor_parallel_size, "must be an integer >= 1")
 
-
-def _field_names(cls, *exclude) -> set[str]:
-    return {f.name for f in dataclasses.fields(cls)} - set(exclude)
-
-
-def engine_config(model: str | None = None, **kwargs) -> EngineConfig:
-    """A validated EngineConfig from LLM-style keyword arguments (a preset's settings filled in)."""
-    from jpaged.loading import presets
-
-    model, kwargs = presets.resolve(model, kwargs)
-    cache_keys, scheduler_keys = _field_names(CacheConfig), _field_names(SchedulerConfig)
-    engine_keys = _field_names(EngineConfig, "model", "cache", "scheduler")
-    unknown = set(kwargs) - cache_keys - scheduler_keys - engine_keys
-    if unknown:
-        raise ValueError(f"unknown engine argument(s): {sorted(unknown)}")
-    pick = lambda keys: {k: v for k, v in kwargs.items() if k in keys}  # noqa: E731
-    return EngineConfig(model=model, cache=CacheConfig(**pick(cache_keys)),
-                        scheduler=SchedulerConfig(**pick(scheduler_keys)), **pick(engine_keys))

@@ -16,7 +16,9 @@ import sys  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 
-from jpaged import SamplingParams, presets  # noqa: E402  (no JAX import yet: checking flags stays fast)
+from jpaged import SamplingParams  # noqa: E402  (no JAX import yet: checking flags stays fast)
+from jpaged.loading import presets  # noqa: E402
+from jpaged.logger import configure_logging  # noqa: E402
 from jpaged.entrypoints.engine_flags import ENGINE_FLAGS, define_engine_flags  # noqa: E402
 
 DEFAULT_PROMPTS = [
@@ -128,13 +130,15 @@ def summary(outputs, elapsed: float, metrics: dict) -> str:
 
 
 def main(argv):
+    configure_logging()
     if len(argv) > 1:
         fail(f"unexpected arguments {argv[1:]} (prompts go in --prompt or --prompts_file)")
     try:
         params = sampling_params()
         prompts = read_prompts()
         model, engine_kwargs = model_and_settings()
-        from jpaged.llm import LLM, engine_config  # imports JAX
+        from jpaged.engine.startup import engine_config  # imports JAX
+        from jpaged.llm import LLM
 
         engine_config(model, **engine_kwargs)  # every engine setting valid; loads nothing
         llm = LLM(model, **engine_kwargs)

@@ -16,7 +16,7 @@ import jpaged_kernels as pk
 from conftest import COMMON, _save, random_prompts
 from jpaged import LLM, SamplingParams
 from jpaged.config import CacheConfig, check_kv_cache_dtype
-from jpaged.config import engine_config
+from jpaged.engine.startup import engine_config
 
 QDTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 _PLATFORM = jax.default_backend()

@@ -153,8 +153,8 @@ class AsyncLLMEngine:
     @classmethod
     def from_args(cls, model: str | None = None, *, max_queued_requests: int | None = None, **engine_kwargs):
         """Builds the engine with ``LLM(model, **engine_kwargs)``'s settings."""
-        from jpaged.config import engine_config
         from jpaged.engine import create_engine
+        from jpaged.engine.startup import engine_config
 
         return cls(create_engine(engine_config(model, **engine_kwargs)), max_queued_requests=max_queued_requests)
 

@@ -1,4 +1,5 @@
-"""Start-up: from an `EngineConfig` to the engine's parts, each decided once.
+"""Start-up: from `LLM`'s keyword arguments to an `EngineConfig` (`engine_config`), and from an
+`EngineConfig` to the engine's parts (`build`), each decided once.
 
 The platform decides the defaults (bfloat16 and the Pallas kernels on TPU/GPU, float32 and the
 ``xla`` backend with the C++ kernels on the CPU); the model is loaded (or taken as given) onto a
@@ -16,10 +17,11 @@ import jax.numpy as jnp
 
 import jpaged_kernels
 from jpaged import sharding
-from jpaged.config import DTYPES, EngineConfig, check_kv_cache_dtype
+from jpaged.config import DTYPES, CacheConfig, EngineConfig, SchedulerConfig, check_kv_cache_dtype
 from jpaged.core.kv_cache_manager import KVCacheManager
 from jpaged.core.scheduler import Scheduler
-from jpaged.loading import load_model
+from jpaged.loading import presets
+from jpaged.loading.model_loader import load_model
 from jpaged.runner import kv_pool, precompile
 from jpaged.runner.buckets import StepBuckets
 from jpaged.runner.compile_counter import CompileCounter
@@ -45,6 +47,23 @@ class EngineParts:
     kv_cache: object         # KVCacheManager, or a reservation baseline
     scheduler: Scheduler
     runner: ModelRunner
+
+
+def _field_names(cls, *exclude) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)} - set(exclude)
+
+
+def engine_config(model: str | None = None, **kwargs) -> EngineConfig:
+    """A validated EngineConfig from LLM-style keyword arguments (a preset's settings filled in)."""
+    model, kwargs = presets.resolve(model, kwargs)
+    cache_keys, scheduler_keys = _field_names(CacheConfig), _field_names(SchedulerConfig)
+    engine_keys = _field_names(EngineConfig, "model", "cache", "scheduler")
+    unknown = set(kwargs) - cache_keys - scheduler_keys - engine_keys
+    if unknown:
+        raise ValueError(f"unknown engine argument(s): {sorted(unknown)}")
+    pick = lambda keys: {k: v for k, v in kwargs.items() if k in keys}  # noqa: E731
+    return EngineConfig(model=model, cache=CacheConfig(**pick(cache_keys)),
+                        scheduler=SchedulerConfig(**pick(scheduler_keys)), **pick(engine_keys))
 
 
 def enable_compilation_cache(path: str | None) -> None:

@@ -16,6 +16,7 @@ from absl import app, flags
 
 from jpaged.entrypoints import engine_flags
 from jpaged.entrypoints.engine_flags import define_engine_flags, llm_args
+from jpaged.logger import configure_logging
 
 F = flags.FLAGS
 define_engine_flags()
@@ -56,6 +57,7 @@ def main(argv):
     import uvicorn
 
     logging.basicConfig(level=logging.INFO)
+    configure_logging()
     uvicorn.run(build_app(), host=F.host, port=F.port, log_level=F.log_level,
                 timeout_graceful_shutdown=F.shutdown_timeout)
 

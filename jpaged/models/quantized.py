@@ -14,7 +14,7 @@ the output projection of tied models, through ``attend``):
   uint8 for Q4_*: the low nibbles are the block's elements 0..15, the high ones 16..31),
   ``scales`` / ``mins`` ``[in / 32, out]``: a split on the input axis is a split on whole blocks.
 
-The modules are not built by the model classes: the loader (`jpaged.loading.build_model`) swaps
+The modules are not built by the model classes: the loader (`jpaged.loading.model_loader.build_model`) swaps
 them in for the ``nnx.Linear`` / ``nnx.Embed`` a weight is meant for, so every model family gets
 them without its code knowing.
 
