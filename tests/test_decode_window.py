@@ -12,13 +12,14 @@ ENGINE = dict(num_kv_blocks=96, max_model_len=256, max_num_batched_tokens=64, ma
 def count_windows(llm, monkeypatch) -> list[int]:
     """The step count of every decode window ``llm`` runs from now on."""
     runner, windows = llm.llm_engine.runner, []
-    execute_window = runner.execute_window
+    execute = runner.execute
 
-    def counted(out, num_steps):
-        windows.append(num_steps)
-        return execute_window(out, num_steps)
+    def counted(out):
+        if out.num_steps > 1:
+            windows.append(out.num_steps)
+        return execute(out)
 
-    monkeypatch.setattr(runner, "execute_window", counted)
+    monkeypatch.setattr(runner, "execute", counted)
     return windows
 
 
