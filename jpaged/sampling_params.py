@@ -112,7 +112,7 @@ class StructuredOutputsParams:
 class SamplingParams:
     """How to pick tokens for one request. ``temperature == 0`` means greedy.
 
-    The options, in the order they apply, are listed in the README ("Sampling options").
+    The options, in the order they apply, are listed in docs/sampling.md.
     """
 
     n: int = 1

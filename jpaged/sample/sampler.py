@@ -1,6 +1,6 @@
 """Jitted sampling over a batch of logits rows, each row with its own parameters.
 
-The order, for each row (see README, "Sampling options"):
+The order, for each row (docs/sampling.md):
 
 1. ``logit_bias`` is added to the model's logits;
 2. masks set logits to -inf: the structured-output token bitmask, ``allowed_token_ids``, and the
