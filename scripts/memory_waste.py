@@ -35,6 +35,7 @@ from workloads import make_workload
 from jpaged.config import SchedulerConfig
 from jpaged.core.kv_cache_manager import KVCacheManager
 from jpaged.core.scheduler import Scheduler
+from jpaged.core.scheduler_output import StepResult
 from jpaged.core.request import Request
 from jpaged.sampling_params import SamplingParams
 
@@ -107,7 +108,7 @@ def simulate(allocator: str, prompts, output_lens, *, num_kv_blocks: int, block_
         steps += 1
         batch += len(out.requests)
         n = len(out.sample_rows)  # every sample row draws the synthetic token 0
-        scheduler.update_from_output(out, [0] * n, [0.0] * n, [[]] * n, [[]] * n)
+        scheduler.update_from_output(out, StepResult([0] * n, [0.0] * n, [[]] * n, [[]] * n))
         if scheduler.waiting:
             totals += classify(kv, scheduler, final_len)
             loaded_steps += 1

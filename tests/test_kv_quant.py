@@ -306,9 +306,9 @@ def _generate(path, tp, prompts, **kw):
     llm = LLM(path, tensor_parallel_size=tp, num_kv_blocks=40, block_size=8, max_model_len=256,
               max_num_batched_tokens=64, enable_prefix_caching=True, preemption_mode="swap", **kw)
     copies = []
-    runner = llm.llm_engine.runner
-    real_copy = runner.copy_blocks
-    runner.copy_blocks = lambda c: (copies.extend(c), real_copy(c))[1]
+    pool = llm.llm_engine.runner.kv_pool
+    real_copy = pool.copy_blocks
+    pool.copy_blocks = lambda c: (copies.extend(c), real_copy(c))[1]
     greedy = SamplingParams(temperature=0, max_tokens=12, min_tokens=12, logprobs=1)
     forks = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=12, min_tokens=12)
     outs = llm.generate(prompts + prompts[:2], greedy, use_tqdm=False)  # repeats hit the prefix cache

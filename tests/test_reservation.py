@@ -7,7 +7,7 @@ from jpaged.config import SchedulerConfig
 from jpaged.core.block_pool import NoFreeBlocksError
 from jpaged.core.reservation import ContiguousPool, ReservationKVCacheManager
 from jpaged.core.scheduler import Scheduler
-from jpaged.runner.model_runner import StepResult
+from jpaged.core.scheduler_output import StepResult
 from jpaged.core.request import Request, Sequence
 from jpaged.sampling_params import SamplingParams
 from jpaged.utils import next_power_of_two as next_pow2

@@ -1,10 +1,13 @@
-"""What one engine step does, as plain data: everything the model runner reads, nothing live.
+"""What one engine step does, as plain data: everything the model runner reads, nothing live, and
+what it answers.
 
 The scheduler builds a `SchedulerOutput` each step; the runner turns it into device arrays and
-never sees a `Request`, a `Sequence` or the KV cache manager. Ids (``request_id``, ``seq_id``) let
-the scheduler apply the step's results to its own objects afterwards.
+never sees a `Request`, a `Sequence` or the KV cache manager; it returns one `StepResult` per model
+step. Ids (``request_id``, ``seq_id``) let the scheduler apply the results to its own objects.
 """
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from jpaged.sample.sampling_batch import SamplingBatch
 
@@ -75,3 +78,16 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.seqs)
+
+
+@dataclass
+class StepResult:
+    """Sampled tokens, one per sample row of the step (the runner's answer)."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+    prompt_logprobs: tuple | None = None  # (target logprobs, top ids, top logprobs) per prompt row
+    prepare_seconds: float = 0.0  # host: copies, swaps, batch, metadata, sampling tensors
+    device_seconds: float = 0.0   # dispatch until the sampled tokens are on the host

@@ -9,7 +9,6 @@ the forward, the logits and the sampler (one executable per step shape); on the 
 piece by piece (embed, calls of up to six layers, rows, head, sampler), which keeps compiling a new
 shape cheap. Each layer's KV pool is donated to its call, so XLA updates it in place.
 """
-import dataclasses
 import functools
 import time
 
@@ -19,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jpaged import sharding
-from jpaged.core.scheduler_output import SchedulerOutput
+from jpaged.core.scheduler_output import SchedulerOutput, StepResult
 from jpaged.models.attention import attention_backend_of, make_attention_metadata
 from jpaged.runner.buckets import StepBuckets
 from jpaged.runner.decode_window import decode_window
@@ -28,19 +27,6 @@ from jpaged.runner.kv_pool import KVPool
 from jpaged.runner.layer_pieces import LayerPieces
 from jpaged.sample.sampler import (prompt_logprob_tensors, prompt_logprobs, sample, sampling_tensors)
 from jpaged.sample.sampling_batch import SamplingBatch
-
-
-@dataclasses.dataclass
-class StepResult:
-    """Sampled tokens, one per sample row of the step."""
-
-    tokens: np.ndarray
-    logprobs: np.ndarray
-    top_ids: np.ndarray
-    top_logprobs: np.ndarray
-    prompt_logprobs: tuple | None = None  # (target logprobs, top ids, top logprobs) per prompt row
-    prepare_seconds: float = 0.0  # host: copies, swaps, batch, metadata, sampling tensors
-    device_seconds: float = 0.0   # dispatch until the sampled tokens are on the host
 
 
 def _take_rows(x, indices):
