@@ -15,15 +15,13 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
-import logging
 import threading
 import time
 import uuid
 
 from jpaged.core.request import Request
+from jpaged.logger import logger
 from jpaged.outputs import RequestOutput
-
-logger = logging.getLogger("jpaged")
 
 
 class QueueFullError(RuntimeError):

@@ -7,7 +7,6 @@ One step reads top to bottom:
     stops = output_processor.process(advanced)       # text, stop strings; the engine applies them
 A step that raises fails only the requests it carried (finish_reason "error"); the engine goes on.
 """
-import logging
 import time
 
 from jpaged.config import EngineConfig
@@ -17,11 +16,9 @@ from jpaged.engine import startup
 from jpaged.engine.input_processor import InputProcessor
 from jpaged.engine.output_processor import OutputProcessor
 from jpaged.engine.step_timing import StepTimings
-from jpaged.logger import configure_logging
+from jpaged.logger import configure_logging, logger
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
-
-logger = logging.getLogger("jpaged")
 
 
 class LLMEngine:

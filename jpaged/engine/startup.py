@@ -8,7 +8,6 @@ budget; then the KV cache manager, the scheduler and the model runner are built 
 shapes compiled.
 """
 import dataclasses
-import logging
 import os
 import time
 
@@ -22,13 +21,12 @@ from jpaged.core.kv_cache_manager import KVCacheManager
 from jpaged.core.scheduler import Scheduler
 from jpaged.loading import presets
 from jpaged.loading.model_loader import load_model
+from jpaged.logger import logger
 from jpaged.runner import kv_pool, precompile
 from jpaged.runner.buckets import StepBuckets
 from jpaged.runner.compile_counter import CompileCounter
 from jpaged.runner.model_runner import ModelRunner
 from jpaged.utils import cdiv, release_free_host_memory
-
-logger = logging.getLogger("jpaged")
 
 
 @dataclasses.dataclass

@@ -5,14 +5,12 @@ A step's shapes depend only on its token count, sampled rows and sampling option
 row count (greedy and sampled, without penalties or filters), cover the steady state. Dummy steps
 write into block 0, which is free: nothing reads it before its owner writes it.
 """
-import logging
 import time
 
 from jpaged.core.scheduler_output import SampleRow, ScheduledSeq, SchedulerOutput
+from jpaged.logger import logger
 from jpaged.runner.model_runner import ModelRunner, plain_sampling
 from jpaged.utils import cdiv
-
-logger = logging.getLogger("jpaged")
 
 
 def dummy_step(runner: ModelRunner, num_tokens: int, num_rows: int = 1, greedy: bool = True) -> SchedulerOutput:
