@@ -6,7 +6,8 @@ default: the preset's or the engine's default applies); ``llm_args()`` turns the
 """
 from absl import flags
 
-ENGINE_FLAGS = ["dtype", "kv_cache_dtype", "block_size", "num_kv_blocks", "kv_cache_memory_bytes", "max_num_seqs",
+ENGINE_FLAGS = ["dtype", "kv_cache_dtype", "block_size", "num_kv_blocks", "kv_cache_memory_bytes", "memory_utilization",
+                "max_num_seqs",
                 "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "preemption_mode",
                 "tensor_parallel_size", "attention_backend", "precompile", "quantization", "num_scheduler_steps"]
 
@@ -23,6 +24,8 @@ def define_engine_flags(flag_values=flags.FLAGS) -> None:
     flags.DEFINE_integer("block_size", None, "Tokens per KV block", **f)
     flags.DEFINE_integer("num_kv_blocks", None, "KV pool size in blocks", **f)
     flags.DEFINE_integer("kv_cache_memory_bytes", None, "KV pool size in bytes", **f)
+    flags.DEFINE_float("memory_utilization", None, "Share of the accelerator's memory for weights, temporaries "
+                       "and the KV pool (the pool gets what is left)", **f)
     flags.DEFINE_integer("max_num_seqs", None, "Sequences per step", **f)
     flags.DEFINE_integer("max_num_batched_tokens", None, "Tokens per step", **f)
     flags.DEFINE_integer("max_model_len", None, "Longest prompt + output", **f)
