@@ -85,3 +85,29 @@ def test_argmax_takes_the_first_of_equal_maxima(shape):
     x = rng.standard_normal(shape).astype(np.float32)
     x[0, :] = -np.inf
     np.testing.assert_array_equal(np.asarray(argmax(jnp.asarray(x))), x.argmax(-1))
+
+
+def test_executables_one_decode_step_dispatches(llama_dir, monkeypatch):
+    """On the CPU a step runs as pieces: embed, one call per (up to six) layers, the sampled rows,
+    the head and the sampler; a whole-step runner (what TPU/GPU run) dispatches one executable."""
+    def dispatched(llm):
+        runner, calls = llm.llm_engine.runner, []
+        real_call, real_note = runner.counter.call, runner.counter.note
+
+        def call(name, *args, **kw):
+            calls.append(name)
+            return real_call(name, *args, **kw)
+
+        def note(name, *args):  # the layer calls are noted, then called directly
+            if name.startswith("layers"):
+                calls.append(name)
+            return real_note(name, *args)
+
+        monkeypatch.setattr(runner.counter, "call", call)
+        monkeypatch.setattr(runner.counter, "note", note)
+        llm.generate([[5, 6, 7]], greedy(2), use_tqdm=False)  # a prefill step, then one decode step
+        return calls[len(calls) // 2:]
+
+    assert dispatched(LLM(llama_dir[0], **ENGINE)) == ["embed", "layers0x2", "rows", "head", "sample"]
+    monkeypatch.setattr(model_runner.LayerPieces, "of", classmethod(lambda cls, model: None))
+    assert dispatched(LLM(llama_dir[0], **ENGINE)) == ["step"]

@@ -74,17 +74,23 @@ def enable_compilation_cache(path: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.05)
 
 
+def resolve_dtypes(config: EngineConfig, platform: str) -> tuple[object, object]:
+    """(model dtype, KV page dtype) on ``platform``: bfloat16 on TPU/GPU, float32 on the CPU,
+    unless set."""
+    dtype = DTYPES[config.dtype] if config.dtype != "auto" else (jnp.float32 if platform == "cpu" else jnp.bfloat16)
+    kv_name = config.cache.kv_cache_dtype
+    return dtype, dtype if kv_name == "auto" else jpaged_kernels.KV_DTYPES[kv_name]
+
+
 def resolve_platform(config: EngineConfig, mesh) -> tuple[object, str, object]:
     """(model dtype, attention backend, KV page dtype) for the mesh's platform."""
     device = mesh.devices.flat[0]
     platform = device.platform
-    dtype = DTYPES[config.dtype] if config.dtype != "auto" else (jnp.float32 if platform == "cpu" else jnp.bfloat16)
     backend = config.attention_backend
     if backend == "auto":
         backend = "pallas" if platform in ("tpu", "gpu") else "xla"
-    kv_name = config.cache.kv_cache_dtype
-    check_kv_cache_dtype(kv_name, backend, platform, getattr(device, "compute_capability", None))
-    kv_dtype = dtype if kv_name == "auto" else jpaged_kernels.KV_DTYPES[kv_name]
+    check_kv_cache_dtype(config.cache.kv_cache_dtype, backend, platform, getattr(device, "compute_capability", None))
+    dtype, kv_dtype = resolve_dtypes(config, platform)
     return dtype, backend, kv_dtype
 
 

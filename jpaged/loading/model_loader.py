@@ -10,6 +10,7 @@ their ``hf_weight_map`` stay as they are.
 import dataclasses
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -127,6 +128,39 @@ def build_model(config: ModelConfig, weights, *, dtype, attention_backend: str, 
     return model
 
 
+def abstract_model(config: ModelConfig, *, dtype, attention_backend: str, quantization: str | None = None):
+    """The model `build_model` would make, without weights: every parameter a ``jax.ShapeDtypeStruct``
+    (``quantization="int8"``: the linear kernels and the token table as `build_model` would quantize
+    them). For compiling ahead of time; a GGUF file's blocks need the file, so ``"gguf"`` is refused."""
+    if quantization not in (None, "int8"):
+        raise ValueError(f"quantization={quantization!r}: only None or 'int8' can be compiled without weights")
+    cls = model_class(config)
+    model = nnx.eval_shape(lambda: cls(config, dtype=dtype, attention_backend=attention_backend, rngs=nnx.Rngs(0)))
+    if quantization == "int8":
+        s = jax.ShapeDtypeStruct
+        for path, _, transpose in model.hf_weight_map():
+            if len(path) < 2:
+                continue
+            parent, attr, module = _target(model, path)
+            if isinstance(module, nnx.Linear) and path[-1] == "kernel":
+                din, dout = module.kernel.shape
+                setattr(parent, attr, QuantizedLinear(s((din, dout), jnp.int8), s((dout,), jnp.float32),
+                                                      bias=module.bias))
+            elif isinstance(module, nnx.Embed) and path[-1] == "embedding" and attr in TOKEN_TABLES:
+                vocab, hidden = module.embedding.shape
+                setattr(parent, attr, QuantizedEmbed(s((vocab, hidden), jnp.int8), s((vocab,), jnp.float32), dtype))
+    return model
+
+
+def kv_replicated_config(config: ModelConfig, tensor_parallel_size: int) -> tuple[ModelConfig, int]:
+    """``config`` with each KV head repeated so that every device of ``tensor_parallel_size`` owns
+    whole heads (`sharding.kv_head_replication`), and the repeat factor."""
+    factor = sharding.kv_head_replication(config.num_heads, config.num_kv_heads, tensor_parallel_size)
+    if factor == 1:
+        return config, 1
+    return dataclasses.replace(config, num_kv_heads=config.num_kv_heads * factor), factor
+
+
 def _repeat_kv_heads(name, array, kv_heads: int, factor: int):
     """`sharding.repeat_kv_heads` for a float array or the rows of ``GGUFBlocks``."""
     from jpaged.loading.gguf_loader import GGUFBlocks
@@ -151,10 +185,9 @@ def load_model(path: str, *, dtype, attention_backend: str, mesh=None, quantizat
     config = hf_checkpoint.model_config(hf_config, path if os.path.isfile(path) else os.path.join(path, "config.json"))
     shard_fn = None
     if mesh is not None:
-        factor = sharding.kv_head_replication(config.num_heads, config.num_kv_heads, tp)
+        kv_heads = config.num_kv_heads
+        config, factor = kv_replicated_config(config, tp)
         if factor > 1:
-            kv_heads = config.num_kv_heads
-            config = dataclasses.replace(config, num_kv_heads=kv_heads * factor)
             weights = ((n, _repeat_kv_heads(n, a, kv_heads, factor)) for n, a in weights)
         shard_fn = lambda path, array: sharding.make_array(  # noqa: E731
             mesh, sharding.param_spec(path, array.shape, tp), array)

@@ -43,6 +43,15 @@ def _copy_blocks(kv_caches, src, dst):
     return [copy(tuple(layer), src, dst) for layer in kv_caches]
 
 
+def layer_specs(num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int, dtype) -> list[tuple]:
+    """(shape, dtype) of each array of one layer's cache: K and V pages, then 8-bit pages' scales."""
+    pages = (num_kv_heads, num_blocks, block_size, head_dim)
+    arrays = [(pages, dtype)] * 2
+    if jpaged_kernels.quant.is_quantized(dtype):
+        arrays += [(pages[:3], jpaged_kernels.SCALE_DTYPE)] * 2
+    return arrays
+
+
 def bytes_per_block(*, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype,
                     tensor_parallel_size: int = 1) -> int:
     """Bytes of one block of every layer on one device (its heads' slice, at least one head),
@@ -68,10 +77,7 @@ class KVPool:
 
     def array_specs(self) -> list[tuple[tuple, object]]:
         """(shape, dtype) of each array of one layer's cache."""
-        arrays = [(self.shape, self.dtype)] * 2
-        if jpaged_kernels.quant.is_quantized(self.dtype):
-            arrays += [(self.shape[:3], jpaged_kernels.SCALE_DTYPE)] * 2
-        return arrays
+        return layer_specs(*self.shape, self.dtype)
 
     def shardings(self):
         """The sharding of each array of every layer (the structure of `caches`)."""

@@ -33,6 +33,37 @@ def _take_rows(x, indices):
     return x[indices]
 
 
+def whole_step(graphdef, state, kv_caches, input_ids, md, logits_indices, prompt_lp, sampling):
+    """A step in one function: forward, logits and sampler. Returns ((sampled tokens, logprobs, top
+    ids, top logprobs), prompt-logprob results or None), kv_caches."""
+    model = nnx.merge(graphdef, state)
+    hidden, kv_caches = model(input_ids, md.positions, kv_caches, md)
+    prompt_out = None
+    if prompt_lp is not None:
+        prompt_out = prompt_logprobs(model.compute_logits(hidden[prompt_lp.indices]), prompt_lp)
+    return (sample(model.compute_logits(hidden[logits_indices]), sampling), prompt_out), kv_caches
+
+
+def whole_logits(graphdef, state, kv_caches, input_ids, md, logits_indices):
+    """The sampled rows' logits from one whole forward: (logits [R, V], kv_caches)."""
+    model = nnx.merge(graphdef, state)
+    hidden, kv_caches = model(input_ids, md.positions, kv_caches, md)
+    return model.compute_logits(hidden[logits_indices]), kv_caches
+
+
+def jit_whole_step(graphdef, mesh, pool_shardings):
+    """`whole_step` jitted as the engine runs it: the pool donated, results replicated."""
+    return jax.jit(functools.partial(whole_step, graphdef), donate_argnums=(1,),
+                   out_shardings=(sharding.replicated(mesh), pool_shardings))
+
+
+def jit_decode_window(logits_fn, mesh, pool_shardings, *, max_steps: int, block_size: int, vocab_size: int):
+    """`decode_window.decode_window` of ``logits_fn`` jitted as the engine runs it."""
+    window = functools.partial(decode_window, logits_fn, max_steps=max_steps, block_size=block_size,
+                               vocab_size=vocab_size)
+    return jax.jit(window, donate_argnums=(1,), out_shardings=(sharding.replicated(mesh), pool_shardings))
+
+
 class ModelRunner:
     """Owns the device side: parameters, the KV pool, and the jitted functions that use them."""
 
@@ -51,7 +82,7 @@ class ModelRunner:
         self._replicated = replicated
         self.pieces = None if whole_step else LayerPieces.of(nnx.merge(graphdef, self.state))  # a view
         if self.pieces is None:
-            self._step = jax.jit(self._whole_step, donate_argnums=(1,), out_shardings=(replicated, pool))
+            self._step = jit_whole_step(graphdef, mesh, pool)
         else:  # embed, one jit per layer structure (shared by the layers), rows, head, sampler
             self._embed = jax.jit(self.pieces.embed)
             self._layers = {(group, end - first): jax.jit(self.pieces.layer_fns[group], donate_argnums=(1,),
@@ -60,9 +91,8 @@ class ModelRunner:
             self._take_rows = jax.jit(_take_rows)  # apart from the head: it alone depends on both counts
             self._head = jax.jit(self.pieces.head, out_shardings=replicated)
             self._sample = jax.jit(sample)
-        window = functools.partial(decode_window, self._logits, max_steps=max_decode_window,
-                                   block_size=buckets.block_size, vocab_size=self.config.vocab_size)
-        self._window = jax.jit(window, donate_argnums=(1,), out_shardings=(replicated, pool))
+        self._window = jit_decode_window(self._logits, mesh, pool, max_steps=max_decode_window,
+                                         block_size=buckets.block_size, vocab_size=self.config.vocab_size)
 
     @property
     def num_compilations(self) -> int:
@@ -130,25 +160,14 @@ class ModelRunner:
                                                prompt_lp, num_fixed=1)
         return self.counter.call("sample", self._sample, logits, sampling), prompt_out
 
-    # The jitted functions -------------------------------------------------------------------------------
-    def _whole_step(self, state, kv_caches, input_ids, md, logits_indices, prompt_lp, sampling):
-        """Forward, logits and sampler in one function: ((sampled, prompt results), kv_caches)."""
-        model = nnx.merge(self.graphdef, state)
-        hidden, kv_caches = model(input_ids, md.positions, kv_caches, md)
-        prompt_out = None
-        if prompt_lp is not None:
-            prompt_out = prompt_logprobs(model.compute_logits(hidden[prompt_lp.indices]), prompt_lp)
-        return (sample(model.compute_logits(hidden[logits_indices]), sampling), prompt_out), kv_caches
-
+    # The jitted functions' parameters ------------------------------------------------------------------
     def _params(self):
         return self.state if self.pieces is None else (self.pieces.shell_state, self.pieces.layer_leaves)
 
     def _logits(self, params, kv_caches, input_ids, md, logits_indices):
         """The sampled rows' logits, traced whole (embed, every layer, head): a decode window's step."""
         if self.pieces is None:
-            model = nnx.merge(self.graphdef, params)
-            hidden, kv_caches = model(input_ids, md.positions, kv_caches, md)
-            return model.compute_logits(hidden[logits_indices]), kv_caches
+            return whole_logits(self.graphdef, params, kv_caches, input_ids, md, logits_indices)
         p, (shell_state, layer_leaves) = self.pieces, params
         x, extra = p.embed(shell_state, input_ids, md.positions)
         new_caches = []

@@ -1,28 +1,53 @@
 """Warm-up: compile the step shapes before serving, so that none compiles while requests wait.
 
 A step's shapes depend only on its token count, sampled rows and sampling options
-(`buckets.StepBuckets`), so dummy steps of each token bucket, then the logits and sampler of each
-row count (greedy and sampled, without penalties or filters), cover the steady state. Dummy steps
-write into block 0, which is free: nothing reads it before its owner writes it.
+(`buckets.StepBuckets`), so a plan of dummy steps covers the steady state (`step_plan`): on the CPU
+(layer pieces) one step per token bucket, then the logits and sampler of each row count; a whole-step
+runner (TPU/GPU) compiles each token bucket with each of its row buckets, greedy and sampled, and on
+the pallas backend the decode-only step of each decode bucket too (it runs the decode kernel). The
+same plan is what `jpaged.engine.aot` compiles for a target without one. Dummy steps write into
+block 0, which is free: nothing reads it before its owner writes it.
 """
 import time
 
 from jpaged.core.scheduler_output import SampleRow, ScheduledSeq, SchedulerOutput
 from jpaged.logger import logger
+from jpaged.runner.buckets import StepBuckets
 from jpaged.runner.model_runner import ModelRunner, plain_sampling
 from jpaged.utils import cdiv
 
 
-def dummy_step(runner: ModelRunner, num_tokens: int, num_rows: int = 1, greedy: bool = True) -> SchedulerOutput:
+def dummy_step(buckets: StepBuckets, num_tokens: int, num_rows: int = 1, greedy: bool = True,
+               decode_only: bool = False) -> SchedulerOutput:
     """A step of ``num_tokens`` tokens, all in block 0, sampling ``num_rows`` rows: ``num_rows - 1``
-    one-token sequences, then the rest in as few sequences as ``max_model_len`` allows."""
-    buckets = runner.buckets
-    rest = num_tokens - (num_rows - 1)
-    per_seq = min(rest, buckets.max_model_len)
-    lengths = [1] * (num_rows - 1) + [per_seq] * (rest // per_seq) + ([rest % per_seq] if rest % per_seq else [])
+    one-token sequences, then the rest in as few sequences as ``max_model_len`` allows
+    (``decode_only``: ``num_tokens`` one-token sequences, each sampled)."""
+    if decode_only:
+        lengths = [1] * num_tokens
+        num_rows = num_tokens
+    else:
+        rest = num_tokens - (num_rows - 1)
+        per_seq = min(rest, buckets.max_model_len)
+        lengths = [1] * (num_rows - 1) + [per_seq] * (rest // per_seq) + ([rest % per_seq] if rest % per_seq else [])
     seqs = [ScheduledSeq("warmup", 0, [0] * n, 0, [0] * cdiv(n, buckets.block_size)) for n in lengths]
     sampling = plain_sampling(num_rows)[0 if greedy else 1]
     return SchedulerOutput(seqs=seqs, sample_rows=[SampleRow(i, 0) for i in range(num_rows)], sampling=sampling)
+
+
+def step_plan(buckets: StepBuckets, *, max_tokens: int, max_seqs: int, whole_step: bool,
+              precompile: bool = True) -> list[SchedulerOutput]:
+    """The dummy steps that compile a runner's step shapes (without ``precompile``: the smallest)."""
+    plan = []
+    for t_pad in buckets.token_buckets(max_tokens if precompile else 1):
+        if not (whole_step and precompile):
+            plan.append(dummy_step(buckets, t_pad))
+            continue
+        for r_pad in buckets.row_buckets(t_pad):
+            plan += [dummy_step(buckets, t_pad, min(r_pad, max_seqs), greedy) for greedy in (True, False)]
+        if buckets.attention_backend == "pallas" and t_pad <= buckets.max_seqs_bucket:
+            plan += [dummy_step(buckets, min(t_pad, max_seqs), greedy=greedy, decode_only=True)
+                     for greedy in (True, False)]
+    return plan
 
 
 def warm_up(runner: ModelRunner, *, max_tokens: int, max_seqs: int, precompile: bool,
@@ -31,14 +56,9 @@ def warm_up(runner: ModelRunner, *, max_tokens: int, max_seqs: int, precompile: 
     ``max_tokens`` tokens and ``max_seqs`` sequences can have (and, with ``decode_windows``, the
     decode window of every decode batch)."""
     start = time.perf_counter()
-    buckets = runner.buckets
-    for t_pad in buckets.token_buckets(max_tokens if precompile else 1):
-        if runner.pieces is not None or not precompile:
-            runner.execute(dummy_step(runner, t_pad))
-            continue
-        for r_pad in buckets.row_buckets(t_pad):  # a whole step compiles per (tokens, rows, sampling)
-            for greedy in (True, False):
-                runner.execute(dummy_step(runner, t_pad, min(r_pad, max_seqs), greedy))
+    for step in step_plan(runner.buckets, max_tokens=max_tokens, max_seqs=max_seqs,
+                          whole_step=runner.pieces is None, precompile=precompile):
+        runner.execute(step)
     if precompile:
         runner.compile_heads(max_tokens, max_seqs)
         if decode_windows:

@@ -24,6 +24,13 @@ def _auto_sharded() -> bool:
                for size, kind in zip(mesh.axis_sizes, mesh.axis_types))
 
 
+def _target_platform() -> str:
+    """The platform being computed for: the default device's (``jax.default_device(...)``, e.g. a TPU
+    or GPU compiled for ahead of time from a CPU host), else the default backend."""
+    device = jax.config.jax_default_device
+    return device.platform if device is not None and not isinstance(device, str) else jax.default_backend()
+
+
 def runs(kernel: str, *arrays, k_scales=None) -> bool:
     """Whether the C++ ``kernel`` (one of `KERNELS`) serves a call on ``arrays``: for
     ``"paged_attention"`` the query and the pages (``k_scales``: the 8-bit pages' scales, or None),
@@ -37,4 +44,4 @@ def runs(kernel: str, *arrays, k_scales=None) -> bool:
         if not (x.ndim == 2 and x.shape[0] <= MATMUL_ROWS
                 and all(w.ndim == 2 and w.shape[0] == x.shape[1] for w in weights)):
             return False
-    return not _auto_sharded() and jax.default_backend() == "cpu" and library.available()
+    return not _auto_sharded() and _target_platform() == "cpu" and library.available()

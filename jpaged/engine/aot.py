@@ -1,0 +1,222 @@
+"""An engine's steps compiled ahead of time for a TPU or GPU target, without weights or a device.
+
+`compile_engine` does for a target what start-up does on one (`startup.build`), abstractly: the
+model's parameters as ``jax.ShapeDtypeStruct`` placed by the real sharding rules on a mesh of the
+target's devices (KV heads repeated when tensor parallelism exceeds them, as loading does), the KV
+pool sized from ``memory_utilization`` of the chip's memory less the weights and the largest step's
+temporaries, then every step of the warm-up plan (`runner.precompile.step_plan` on the whole-step
+path, the code the engine runs on TPU/GPU: one jitted function per step, the pool donated) through
+``jax.jit(...).trace(...).lower().compile()``. The compilers are the real ones (libtpu's Mosaic and
+XLA TPU; XLA GPU, Triton and ptxas), run from a CPU host (`jpaged_kernels.aot`). A compile proves
+that the step compiles and fits, never a speed.
+"""
+import dataclasses
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from jpaged import sharding
+from jpaged.config import EngineConfig
+from jpaged.engine.startup import resolve_dtypes
+from jpaged.loading.model_loader import abstract_model, kv_replicated_config
+from jpaged.models import ModelConfig
+from jpaged.models.attention import make_attention_metadata
+from jpaged.runner import kv_pool
+from jpaged.runner.buckets import StepBuckets
+from jpaged.runner.inputs import prepare_inputs
+from jpaged.runner.model_runner import jit_whole_step
+from jpaged.runner.precompile import step_plan
+from jpaged.sample.sampler import sampling_tensors
+from jpaged.utils import cdiv
+from jpaged_kernels.aot import targets as aot_targets
+from jpaged_kernels.aot.compile import captured_stderr, parse_spills
+
+GiB = 1 << 30
+TPU_HBM = {"v4": 32 * GiB, "v5e": 16 * GiB, "v5p": 95 * GiB, "v6e": 32 * GiB}  # per chip
+MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+                 "temp_size_in_bytes", "generated_code_size_in_bytes")
+
+
+@dataclasses.dataclass
+class StepCompile:
+    """One step shape: its name (tokens, sampled rows, sampling, decode-only), the outcome, the
+    compiler's memory figures per chip (bytes) and ptxas register spills (GPU)."""
+
+    name: str
+    ok: bool
+    error: str = ""
+    seconds: float = 0.0
+    memory: dict = dataclasses.field(default_factory=dict)
+    spills: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class EngineCompile:
+    """The figures of `compile_engine`, per chip unless said."""
+
+    target: str
+    num_devices: int
+    hbm_bytes: int
+    weight_bytes: int
+    kv_bytes_per_block: int
+    num_blocks: int
+    kv_pool_bytes: int
+    max_temp_bytes: int
+    generated_code_bytes: int
+    max_batch_at_max_model_len: int
+    compile_seconds: float
+    steps: list[StepCompile]
+
+    @property
+    def ok(self) -> bool:
+        return all(s.ok for s in self.steps)
+
+    @property
+    def fits(self) -> bool:
+        return self.weight_bytes + self.kv_pool_bytes + self.max_temp_bytes + self.generated_code_bytes <= self.hbm_bytes
+
+
+def target_mesh(target: str, tensor_parallel_size: int, topology: str | None = None):
+    """(mesh of ``tensor_parallel_size`` abstract devices, memory per chip in bytes) of ``target``
+    (a name of `jpaged_kernels.aot.targets.TARGETS`); ``topology``: a TPU slice (``"v5e:2x4"``,
+    ``"v6e:4x4"``: four hosts) to take the devices from, instead of the target's 2x2."""
+    from jax.experimental import topologies
+
+    t = aot_targets.get(target)
+    if t.platform == "tpu":
+        topo = topologies.get_topology_desc(topology_name=topology or t.topology, platform="tpu")
+        hbm = TPU_HBM[t.name]
+    else:
+        config = aot_targets.gpu_target_config(target)
+        topo = topologies.get_topology_desc(platform="cuda", topology=f"1x1x{tensor_parallel_size}",
+                                            target_config=config)
+        hbm = int(config.split("device_memory_size:")[1].split()[0])
+    if len(topo.devices) < tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: the topology has {len(topo.devices)} chips")
+    return sharding.make_mesh(tensor_parallel_size, topo.devices), hbm
+
+
+def _placed(tree, sharding_of):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding_of(x)), tree)
+
+
+def abstract_state(config: ModelConfig, mesh, *, dtype, quantization: str | None):
+    """(graphdef, state): the model's parameters as structs placed by `sharding.param_spec`."""
+    tp = mesh.shape[sharding.MODEL_AXIS]
+    model = abstract_model(config, dtype=dtype, attention_backend="pallas", quantization=quantization)
+    graphdef, state = nnx.split(model)
+
+    def place(key_path, x):
+        spec = sharding.param_spec(sharding.key_path_names(key_path), x.shape, tp)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+    return graphdef, jax.tree_util.tree_map_with_path(place, state)
+
+
+def abstract_caches(config: ModelConfig, mesh, *, num_blocks: int, block_size: int, kv_dtype):
+    specs = kv_pool.layer_specs(config.num_kv_heads, num_blocks, block_size, config.head_dim, kv_dtype)
+    layer = tuple(jax.ShapeDtypeStruct(shape, dt, sharding=sharding.kv_pool_sharding(mesh, len(shape)))
+                  for shape, dt in specs)
+    return [layer] * config.num_layers
+
+
+def step_arguments(step, buckets: StepBuckets, mesh):
+    """The step's inputs as the runner builds them (`prepare_inputs`, the pallas metadata, the
+    padded sampling tensors), as replicated structs."""
+    inputs = prepare_inputs(step, buckets)
+    md = make_attention_metadata("pallas", positions=inputs.positions, slot_mapping=inputs.slot_mapping,
+                                 query_start_loc=inputs.query_start_loc, seq_lens=inputs.seq_lens,
+                                 block_tables=inputs.block_tables, num_seqs=inputs.num_seqs)
+    args = (inputs.input_ids, md, inputs.logits_indices, None, sampling_tensors(step.sampling, inputs.num_rows))
+    return _placed(args, lambda _: sharding.replicated(mesh))
+
+
+def step_name(step) -> str:
+    tokens = step.num_tokens
+    decode = " decode-only" if all(len(s.token_ids) == 1 for s in step.seqs) else ""
+    sampling = "greedy" if step.sampling.all_greedy else "sampled"
+    return f"tokens={tokens} rows={len(step.sample_rows)} {sampling}{decode}"
+
+
+def compile_step(fn, state, caches, args, device, name: str) -> StepCompile:
+    start = time.perf_counter()
+    # the target's device is the default one, so lowering rules that query the chip (Pallas TPU
+    # asks its generation) see the target, not this host
+    with captured_stderr() as log, jax.default_device(device):
+        try:
+            compiled = fn.trace(state, caches, *args).lower().compile()
+            error = None
+        except Exception as e:  # noqa: BLE001 -- every compiler error is a result here
+            error = e
+    seconds = time.perf_counter() - start
+    spills = parse_spills(log[0])
+    if error is not None:
+        lines = [line for line in str(error).splitlines() if line.strip()]
+        return StepCompile(name, False, "\n".join(lines[:6]), seconds, spills=spills)
+    analysis = compiled.memory_analysis()
+    memory = {f: int(getattr(analysis, f)) for f in MEMORY_FIELDS if hasattr(analysis, f)}
+    return StepCompile(name, True, "", seconds, memory, spills)
+
+
+def edges(plan: list) -> list:
+    """The steps of ``plan`` at the ends of each kind (fewest and most tokens; greedy and sampled;
+    mixed and decode-only): a cross-section that compiles in a fraction of the time."""
+    kinds: dict = {}
+    for step in plan:
+        kinds.setdefault(step_name(step).split(" ", 2)[2], []).append(step)
+    picked = [s for steps in kinds.values() for s in (steps[0], steps[-1])]
+    return [s for s in plan if any(s is p for p in picked)]
+
+
+def compile_engine(model_config: ModelConfig, config: EngineConfig, target: str, *, topology: str | None = None,
+                   only_edges: bool = False, progress=None) -> EngineCompile:
+    """Compiles every step shape of ``config`` (the engine settings) for ``target`` (``only_edges``:
+    the `edges` of the plan). ``progress(step_compile)`` (optional) is called after each step."""
+    start = time.perf_counter()
+    sc, cc, tp = config.scheduler, config.cache, config.tensor_parallel_size
+    mesh, hbm = target_mesh(target, tp, topology)
+    device = mesh.devices.flat[0]
+    dtype, kv_dtype = resolve_dtypes(config, device.platform)
+    mc, _ = kv_replicated_config(model_config, tp)
+    max_model_len = sc.max_model_len or mc.max_position_embeddings
+    graphdef, state = abstract_state(mc, mesh, dtype=dtype, quantization=config.quantization)
+    weight_bytes = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+                       for x in jax.tree.leaves(state))
+    per_block = kv_pool.bytes_per_block(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
+                                        head_dim=mc.head_dim, block_size=cc.block_size, dtype=kv_dtype,
+                                        tensor_parallel_size=tp)
+    buckets = StepBuckets(sc.max_num_seqs, max_model_len, cc.block_size, "pallas")
+    plan = step_plan(buckets, max_tokens=sc.max_num_batched_tokens, max_seqs=sc.max_num_seqs, whole_step=True)
+    if only_edges:
+        plan = edges(plan)
+    with jax.set_mesh(mesh):
+        def compile_all(num_blocks, steps):
+            caches = abstract_caches(mc, mesh, num_blocks=num_blocks, block_size=cc.block_size, kv_dtype=kv_dtype)
+            fn = jit_whole_step(graphdef, mesh, [tuple(x.sharding for x in layer) for layer in caches])
+            results = []
+            for step in steps:
+                results.append(compile_step(fn, state, caches, step_arguments(step, buckets, mesh), device,
+                                            step_name(step)))
+                if progress is not None:
+                    progress(results[-1])
+            return results
+
+        # the largest step with a small pool gives the temporaries; the pool gets what is left
+        probe = compile_all(min(1024, sc.max_num_seqs * cdiv(max_model_len, cc.block_size)), [plan[-1]])[0]
+        temps = probe.memory.get("temp_size_in_bytes", 0) + probe.memory.get("generated_code_size_in_bytes", 0)
+        budget = int(hbm * cc.memory_utilization) - weight_bytes - temps
+        num_blocks = cc.num_kv_blocks or max(0, min(budget // per_block,
+                                                    sc.max_num_seqs * cdiv(max_model_len, cc.block_size)))
+        steps = compile_all(max(num_blocks, 1), plan) if probe.ok else [probe]
+    done = [s for s in steps if s.ok]
+    return EngineCompile(
+        target=topology or target, num_devices=tp, hbm_bytes=hbm, weight_bytes=weight_bytes,
+        kv_bytes_per_block=per_block, num_blocks=num_blocks, kv_pool_bytes=num_blocks * per_block,
+        max_temp_bytes=max((s.memory.get("temp_size_in_bytes", 0) for s in done), default=0),
+        generated_code_bytes=max((s.memory.get("generated_code_size_in_bytes", 0) for s in done), default=0),
+        max_batch_at_max_model_len=num_blocks // cdiv(max_model_len, cc.block_size),
+        compile_seconds=time.perf_counter() - start, steps=steps)
+

@@ -1,0 +1,129 @@
+"""Compiles every step shape of an engine for a TPU or GPU target ahead of time, without weights or
+a device, with the real compilers (`jpaged.engine.aot`).
+
+  python scripts/aot_compile.py --flagfile=configs/llama3.1-8b-v5e-8.flags --topology=v5e:2x4
+  python scripts/aot_compile.py --model=configs/models/qwen2.5-7b.json --gpu=h100 --max_model_len=8192
+  python scripts/aot_compile.py --model=path/to/hf_dir --topology=v6e:2x2 --kv_cache_dtype=int8 --output_json=out.json
+
+``--model``: an HF directory (its config.json), a model-config JSON (config.json fields) or a preset.
+Every engine flag of ``scripts/generate.py`` applies. Prints OK or the compiler's error per step
+shape, then per chip: weights, KV pool, temporaries, the KV blocks that fit under
+``--memory_utilization`` of the chip's memory, the largest batch of ``max_model_len`` sequences, and
+the compile time. Exit status 1 if a step fails to compile or does not fit, 2 on a bad flag. The
+compilers live in their own virtual environments (``scripts/setup_aot_compilers.sh``); run from the
+main environment, the script restarts itself in the one its target needs.
+"""
+import dataclasses
+import json
+import os
+import sys
+
+from absl import app, flags
+
+from jpaged.entrypoints.engine_flags import define_engine_flags, llm_args
+
+F = flags.FLAGS
+define_engine_flags()
+flags.DEFINE_string("topology", None, "TPU slice to compile for, e.g. v5e:2x4, v6e:2x2 (one chip: a device of 2x2), "
+                    "v6e:4x4 (16 chips on 4 hosts), v5p:2x2x1")
+flags.DEFINE_enum("gpu", None, ["h100", "h200", "a100"], "GPU to compile for (one host)")
+flags.DEFINE_string("output_json", None, "Write every figure, per step shape and in total, to this file")
+flags.DEFINE_bool("only_edges", False, "Compile only the step shapes at the ends of each kind (fewest and most "
+                  "tokens, greedy and sampled, mixed and decode-only), not every one")
+
+
+def fail(message) -> None:
+    print(f"aot_compile.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    try:
+        return F(argv)
+    except flags.Error as e:
+        fail(e)
+
+
+def target() -> tuple[str, str, str | None]:
+    """(target name, platform, TPU topology or None) from --topology / --gpu."""
+    if (F.topology is None) == (F.gpu is None):
+        fail("give exactly one of --topology (a TPU slice) or --gpu")
+    if F.gpu is not None:
+        return F.gpu, "cuda", None
+    name = F.topology.split(":")[0]
+    if name not in ("v4", "v5e", "v5p", "v6e"):
+        fail(f"--topology={F.topology}: expected v4, v5e, v5p or v6e followed by :shape, e.g. v5e:2x4")
+    return name, "tpu", F.topology
+
+
+def in_compiler_environment(platform: str) -> None:
+    """Restarts this script in the compiler venv of ``platform`` unless its plugin is importable."""
+    plugin = "libtpu" if platform == "tpu" else "jax_plugins.xla_cuda12"
+    try:
+        __import__(plugin)
+        return
+    except ImportError:
+        pass
+    venv = os.path.join(os.environ.get("JPAGED_AOT_DIR", os.path.expanduser("~/.cache/jpaged/aot")),
+                        "tpu" if platform == "tpu" else "gpu")
+    python = os.path.join(venv, "bin", "python")
+    if not os.path.exists(python):
+        fail(f"no {platform} compiler here: run `bash scripts/setup_aot_compilers.sh` first (expected {venv})")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="0")
+    env.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")  # libtpu's host warnings; no TPU is used
+    os.execve(python, [python, *sys.argv], env)
+
+
+def model_config(model: str | None):
+    from jpaged.loading import hf_checkpoint, presets
+    from jpaged.utils import read_json
+
+    if model is None:
+        fail("--model: give an HF directory, a model-config JSON or a preset (the weights are not needed)")
+    if model.endswith(".json") and os.path.isfile(model) and "architectures" in read_json(model):
+        return hf_checkpoint.model_config(read_json(model), model)
+    path, _ = presets.resolve(model, {})
+    if path is not None and os.path.isdir(path):
+        return hf_checkpoint.model_config(hf_checkpoint.read_config(path), os.path.join(path, "config.json"))
+    fail(f"--model={model}: not an HF directory, a model-config JSON (config.json fields) or a preset of one")
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
+def main(argv):
+    del argv
+    name, platform, topology = target()
+    in_compiler_environment(platform)
+    from jpaged.engine import aot
+    from jpaged.engine.startup import engine_config
+
+    model, kwargs = llm_args()
+    try:
+        mc = model_config(model)
+        config = engine_config(None, **kwargs)
+    except ValueError as e:
+        fail(e)
+
+    def progress(step):
+        memory = step.memory.get("temp_size_in_bytes")
+        detail = f"temp {mib(memory)}" if step.ok and memory is not None else step.error.replace("\n", " | ")
+        spills = f", {len(step.spills)} register spills" if step.spills else ""
+        print(f"{'OK  ' if step.ok else 'FAIL'} {step.name}: {step.seconds:.1f} s, {detail}{spills}", flush=True)
+
+    result = aot.compile_engine(mc, config, name, topology=topology, only_edges=F.only_edges, progress=progress)
+    print(f"\n{result.target}, {result.num_devices} chip(s) of {mib(result.hbm_bytes)}; per chip: weights "
+          f"{mib(result.weight_bytes)}, KV pool {result.num_blocks} blocks x {result.kv_bytes_per_block} bytes = "
+          f"{mib(result.kv_pool_bytes)}, temporaries up to {mib(result.max_temp_bytes)}, code "
+          f"{mib(result.generated_code_bytes)}; {result.max_batch_at_max_model_len} sequences of max_model_len "
+          f"fit; {sum(s.ok for s in result.steps)} of {len(result.steps)} step shapes compiled in "
+          f"{result.compile_seconds:.0f} s; {'fits' if result.fits else 'DOES NOT FIT'}")
+    if F.output_json:
+        with open(F.output_json, "w") as f:
+            json.dump(dataclasses.asdict(result) | {"ok": result.ok, "fits": result.fits}, f, indent=1)
+    return 0 if result.ok and result.fits and result.num_blocks > 0 else 1
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=parse_flags)
