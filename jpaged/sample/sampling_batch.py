@@ -85,6 +85,9 @@ def token_bitmask(rows) -> np.ndarray:
             mask[i, grammar.bitmask_width:] = 0
     if active:
         structured_output.fill_bitmasks(active, mask)
+        for state, i in active:  # failed while computing its mask: EOS only, and the row ends "error"
+            if state.error:
+                state.fill_bitmask(mask[i, :state.grammar.bitmask_width], rows[i][0].eos_token_ids)
     for i, j in copies:
         mask[i] = mask[j]
     return mask
