@@ -224,6 +224,8 @@ class SamplingParams:
               f"token ids must be below the vocabulary size {vocab_size}")
         check(not self.allowed_token_ids or max(self.allowed_token_ids) < vocab_size, "allowed_token_ids",
               f"token ids must be below the vocabulary size {vocab_size}")
+        check(not self.stop_token_ids or max(self.stop_token_ids) < vocab_size, "stop_token_ids",
+              f"token ids must be below the vocabulary size {vocab_size}")
         check(not self.bad_words or tokenizer is not None, "bad_words", "needs a tokenizer (the model has none)")
         check(self.structured_outputs is None or tokenizer is not None, "structured_outputs",
               "needs a tokenizer (the model has none)")

@@ -11,6 +11,8 @@ import numpy as np
 
 from jpaged.sample import structured_output
 
+INT32_MAX = 2**31 - 1
+
 
 @dataclass
 class SamplingBatch:
@@ -103,7 +105,7 @@ def build_sampling_batch(rows, engine_seed: int) -> SamplingBatch:
     use_penalties = any(p.uses_penalties for p in params)
     return SamplingBatch(
         temperature=[p.temperature for p in params],
-        top_k=[p.top_k for p in params],
+        top_k=[min(p.top_k, INT32_MAX) for p in params],  # any k past the vocabulary keeps every token
         top_p=[p.top_p for p in params],
         min_p=[p.min_p for p in params],
         seeds=seeds,
