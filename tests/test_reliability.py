@@ -189,6 +189,19 @@ def test_text_too_long_for_max_model_len_is_refused_before_tokenizing(text_llm):
     assert_clean(text_llm)
 
 
+def test_int64_values_never_reach_the_int32_step(model):
+    """Found by the server fuzz: stop_token_ids past int32 (banned before min_tokens) and
+    top_k = 2**63 overflowed the step's int32 arrays and failed it."""
+    llm = make_llm(model, num_kv_blocks=32)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate([[3, 4]], SamplingParams(stop_token_ids=[2**63], min_tokens=2, max_tokens=3), use_tqdm=False)
+    out = llm.generate([[3, 4]], SamplingParams(top_k=2**63, temperature=1.0, seed=0, max_tokens=3,
+                                                ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3
+    assert llm.llm_engine.num_failed_steps == 0
+    assert_clean(llm)
+
+
 # 3. Requests that could never finish are refused ---------------------------------------------------------------
 @pytest.mark.parametrize("setting, params", [
     (dict(max_num_batched_tokens=2), SamplingParams(n=4, max_tokens=4)),
