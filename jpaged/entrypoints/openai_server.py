@@ -44,6 +44,7 @@ from jpaged.utils import invalid_text_path, release_free_host_memory
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20  # a request body larger than this is a 413
 INLINE_BODY_BYTES = 64 * 2**10      # larger bodies are parsed on a worker thread, off the event loop
+DISCARD_BYTES = 64 * 2**20          # a body over the limit is read (and dropped) up to this, then cut
 
 
 class APIError(Exception):
@@ -108,20 +109,27 @@ def parse_body(body: bytes, model: type[pydantic.BaseModel]):
 
 
 async def read_body(raw: Request, limit: int) -> bytes:
-    """The body, refused with a 413 as soon as it is known to exceed ``limit`` bytes."""
+    """The body, or a 413 when it exceeds ``limit`` bytes. Nothing past the limit is kept, but up to
+    ``DISCARD_BYTES`` are read and dropped first: a client still sending when the connection closes
+    would see a reset, not the 413."""
     def too_large(size):
         return APIError(413, f"Request body of {size} bytes is larger than the server's limit of {limit} bytes "
                              "(--max_request_body_bytes)", code="request_too_large")
 
     length = raw.headers.get("content-length", "")
-    if length.isascii() and length.isdigit() and int(length) > limit:
+    if length.isascii() and length.isdigit() and int(length) > max(limit, DISCARD_BYTES):
         raise too_large(int(length))
     chunks, size = [], 0
     async for chunk in raw.stream():
         size += len(chunk)
-        if size > limit:
-            raise too_large(f"more than {limit}")
-        chunks.append(chunk)
+        if size <= limit:
+            chunks.append(chunk)
+        elif size > DISCARD_BYTES:
+            break
+        else:
+            chunks.clear()
+    if size > limit:
+        raise too_large(size if size <= DISCARD_BYTES else f"more than {DISCARD_BYTES}")
     return b"".join(chunks)
 
 

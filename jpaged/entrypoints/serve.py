@@ -77,8 +77,9 @@ def draining_server(app, **config):
         async def shutdown(self, sockets=None):
             if not self.force_exit:
                 aborted = await drain(app, F.shutdown_timeout)
-                logging.getLogger("jpaged").info("drained: %d request(s) aborted after %.0f s", aborted,
-                                                 F.shutdown_timeout)
+                if aborted:
+                    logging.getLogger("jpaged").warning("drain: %d request(s) still running after %g s were "
+                                                        "aborted", aborted, F.shutdown_timeout)
             await super().shutdown(sockets)
 
     return DrainingServer(uvicorn.Config(app, timeout_graceful_shutdown=FLUSH_SECONDS, **config))
