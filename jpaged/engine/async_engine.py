@@ -273,9 +273,9 @@ class AsyncLLMEngine:
         with self._lock:
             if self._stopping:
                 raise RuntimeError("the engine is shutting down")
-            for rid in ids:
-                if rid in self._streams or ids.count(rid) > 1:
-                    raise ValueError(f"request_id={rid!r}: already in use")
+            taken = [rid for rid in ids if rid in self._streams]
+            if taken or len(set(ids)) < len(ids):
+                raise ValueError(f"request_id={(taken or ids)[0]!r}: already in use")
             self._check_admission(slots)
             for rid, stream, k in zip(ids, streams, slots):
                 self._streams[rid], self._slots[rid] = stream, k

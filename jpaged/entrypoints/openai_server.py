@@ -97,9 +97,10 @@ def parse_body(body: bytes, model: type[pydantic.BaseModel]):
     if not isinstance(data, dict):
         raise APIError(400, f"Invalid body: expected a JSON object, got {type(data).__name__}")
     for field in model.model_fields:
-        if field in data and invalid_text_path(data[field], field) is not None:
-            raise APIError(400, f"{invalid_text_path(data[field], field)}: not valid Unicode text (it holds a lone "
-                                "surrogate such as '\\ud800'); send UTF-8 text", param=field)
+        path = invalid_text_path(data[field], field) if field in data else None
+        if path is not None:
+            raise APIError(400, f"{path}: not valid Unicode text (it holds a lone surrogate such as '\\ud800'); "
+                                "send UTF-8 text", param=field)
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as e:
