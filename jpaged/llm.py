@@ -100,7 +100,8 @@ class LLM:
         for i, conversation in enumerate(conversations):
             try:
                 prompts.append(apply_chat_template(self.get_tokenizer(), conversation, chat_template,
-                                                   add_generation_prompt))
+                                                   add_generation_prompt,
+                                                   self.llm_engine.input_processor.check_text_length))
             except ValueError as e:
                 raise ValueError(f"messages[{i}]: {e}" if len(conversations) > 1 else str(e)) from None
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

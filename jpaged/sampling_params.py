@@ -16,7 +16,13 @@ vLLM's extra fields ``structured_outputs``, ``allowed_token_ids``, ``bad_words``
 import json
 import math
 import numbers
+import re
 from dataclasses import dataclass
+
+from jpaged.utils import invalid_text_path
+
+
+_ASCII_INT = re.compile(r"-?[0-9]{1,18}")  # not str.isdigit: "²" and "١" are digits to it
 
 
 def _is_int(x) -> bool:
@@ -75,6 +81,10 @@ class StructuredOutputsParams:
             self.choice = list(self.choice)
             if not self.choice:
                 fail("choice", "must not be empty")
+        for name in given:
+            path = invalid_text_path(getattr(self, name), f"StructuredOutputsParams.{name}")
+            if path is not None:
+                raise ValueError(f"{path}: not valid Unicode text (a lone surrogate)")
 
     def key(self) -> tuple[str, str]:
         """(kind, canonical text): what a compiled grammar is cached under."""
@@ -145,8 +155,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
-        if isinstance(self.logit_bias, dict):  # OpenAI JSON gives the ids as strings
-            self.logit_bias = {int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k: v
+        if isinstance(self.logit_bias, dict):  # OpenAI JSON gives the ids as strings (ASCII digits only)
+            self.logit_bias = {int(k) if isinstance(k, str) and _ASCII_INT.fullmatch(k.strip()) else k: v
                                for k, v in self.logit_bias.items()}
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
@@ -176,6 +186,7 @@ class SamplingParams:
         check(_is_real(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
               "must be a number > 0")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        check(invalid_text_path(self.stop, "stop") is None, "stop", "must be valid Unicode text (no lone surrogate)")
         check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "must be non-negative token ids")
         check(self.seed is None or _is_int(self.seed), "seed", "must be an int or None")
@@ -191,6 +202,8 @@ class SamplingParams:
         check(self.bad_words is None or (isinstance(self.bad_words, (list, tuple))
                                          and all(isinstance(w, str) and w.strip() for w in self.bad_words)),
               "bad_words", "must be a list of non-empty strings")
+        check(invalid_text_path(self.bad_words, "bad_words") is None, "bad_words",
+              "must be valid Unicode text (no lone surrogate)")
         check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
               "structured_outputs", "must be a StructuredOutputsParams (or a dict of its fields)")
 
@@ -210,6 +223,8 @@ class SamplingParams:
         check(not self.logit_bias or max(self.logit_bias) < vocab_size, "logit_bias",
               f"token ids must be below the vocabulary size {vocab_size}")
         check(not self.allowed_token_ids or max(self.allowed_token_ids) < vocab_size, "allowed_token_ids",
+              f"token ids must be below the vocabulary size {vocab_size}")
+        check(not self.stop_token_ids or max(self.stop_token_ids) < vocab_size, "stop_token_ids",
               f"token ids must be below the vocabulary size {vocab_size}")
         check(not self.bad_words or tokenizer is not None, "bad_words", "needs a tokenizer (the model has none)")
         check(self.structured_outputs is None or tokenizer is not None, "structured_outputs",

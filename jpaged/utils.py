@@ -76,3 +76,35 @@ def read_json(file: str) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"{file}: expected a JSON object, got {type(value).__name__}")
     return value
+
+
+def invalid_text_path(value, name: str) -> str | None:
+    """Where in ``value`` (a string, or lists and dicts of them, keys included) a string is not valid
+    Unicode text, as ``name[1].content``, or None. Such a string holds a lone surrogate (``"\\ud800"``):
+    JSON and Python carry it, but no tokenizer, grammar engine or UTF-8 encoder takes it."""
+    stack = [(value, name)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path
+        elif isinstance(item, dict):
+            for k, v in item.items():
+                if isinstance(k, str) and invalid_text_path(k, path) is not None:
+                    return path
+                stack.append((v, f"{path}.{k}" if isinstance(k, str) and k.isidentifier() else f"{path}[{k!r}]"))
+        elif isinstance(item, (list, tuple)):
+            stack.extend((v, f"{path}[{i}]") for i, v in reversed(list(enumerate(item))))
+    return None
+
+
+def check_text(value, name: str) -> None:
+    """ValueError naming the field (``invalid_text_path``) when ``value`` holds a string that is not
+    valid Unicode text."""
+    path = invalid_text_path(value, name)
+    if path is not None:
+        raise ValueError(f"{path}: not valid Unicode text (it holds a lone surrogate such as '\\ud800'); "
+                         "send UTF-8 text")

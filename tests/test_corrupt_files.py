@@ -33,6 +33,8 @@ def write_config(path, text):
     (json.dumps({**LLAMA, "num_key_value_heads": 3, "num_attention_heads": 4}),
      "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
     (json.dumps({**LLAMA, "num_attention_heads": 3}), "hidden_size=16 is not a multiple of num_attention_heads=3"),
+    (json.dumps({**LLAMA, "num_attention_heads": 3, "head_dim": 4}),  # transformers refuses it too
+     "hidden_size=16 is not a multiple of num_attention_heads=3"),
     (json.dumps({**LLAMA, "vocab_size": 0}), "vocab_size=0: must be a positive integer"),
     (json.dumps({**LLAMA, "num_hidden_layers": "2"}), "num_hidden_layers='2'"),
 ])
@@ -49,6 +51,18 @@ def test_bad_config_through_llm(tmp_path):
     path = write_config(tmp_path / "model", "{}")
     with pytest.raises(ValueError, match=r"config.json: missing vocab_size"):
         LLM(str(path), num_kv_blocks=8)
+
+
+def test_bad_config_beside_a_tokenizer(tmp_path):
+    """transformers reads config.json again to load the tokenizer; its own error (a
+    StrictDataclassClassValidationError) named no file. The config is checked first."""
+    from conftest import byte_tokenizer
+
+    path = write_config(tmp_path / "model", json.dumps({**LLAMA, "hidden_size": 18, "head_dim": 4,
+                                                        "num_attention_heads": 4, "num_key_value_heads": 2}))
+    byte_tokenizer().save_pretrained(str(path))
+    with pytest.raises(ValueError, match="config.json: hidden_size=18 is not a multiple of num_attention_heads=4"):
+        read_checkpoint(str(path))
 
 
 def _small_safetensors(path):

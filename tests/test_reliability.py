@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from jpaged import LLM, BeamSearchParams, SamplingParams
+from jpaged.sampling_params import StructuredOutputsParams
 from jpaged.engine.llm_engine import LLMEngine
 from jpaged.engine.startup import engine_config
 
@@ -136,6 +137,68 @@ def test_validation_catches_what_used_to_fail_inside_the_step():
     assert_clean(llm)
     out = llm.generate([[3, 4, 5]], SamplingParams(logprobs=20, max_tokens=2), use_tqdm=False)[0]
     assert len(out.outputs[0].logprobs[0]) >= 20
+    assert_clean(llm)
+
+
+@pytest.fixture(scope="module")
+def text_llm(llama_dir):
+    return LLM(llama_dir[0], num_kv_blocks=32, max_model_len=64)
+
+
+@pytest.mark.parametrize("call, field", [
+    (lambda llm: llm.generate("ok \ud800", use_tqdm=False), "prompts\\[0\\]: prompt"),
+    (lambda llm: llm.generate({"prompt": "\udfff", "prompt_token_ids": [5]}, use_tqdm=False), "prompt"),
+    (lambda llm: llm.generate({"prompt_token_ids": [5], "cache_salt": "\ud800"}, use_tqdm=False), "cache_salt"),
+    (lambda llm: llm.chat([{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}],
+                          chat_template="{{ messages[0]['content'] }}", use_tqdm=False),
+     "messages\\[0\\].content\\[0\\].text"),
+    (lambda llm: SamplingParams(bad_words=["fine", "\ud800"]), "bad_words"),
+    (lambda llm: SamplingParams(stop=["\ud800"]), "stop"),
+    (lambda llm: SamplingParams(logit_bias={"\u00b2": 1}), "logit_bias"),       # "²": a digit to str.isdigit
+    (lambda llm: SamplingParams(logit_bias={"\u0661": 1}), "logit_bias"),       # an Arabic-Indic 1
+    (lambda llm: SamplingParams(logit_bias={"9" * 5000: 1}), "logit_bias"),     # past int()'s digit limit
+    (lambda llm: StructuredOutputsParams(choice=["a", "\ud800"]), "choice\\[1\\]"),
+    (lambda llm: StructuredOutputsParams(regex="\ud800+"), "regex"),
+    (lambda llm: StructuredOutputsParams(json={"properties": {"\ud800": {}}}), "json"),
+])
+def test_text_the_tokenizer_cannot_take_is_a_value_error(text_llm, call, field):
+    """A lone surrogate (valid in JSON and Python, not in UTF-8) made the tokenizer raise a
+    TypeError; each text field now refuses it by name."""
+    with pytest.raises(ValueError, match=field):
+        call(text_llm)
+    assert_clean(text_llm)
+
+
+def test_text_too_long_for_max_model_len_is_refused_before_tokenizing(text_llm):
+    """Every token of the byte tokenizer is one character: 65 characters cannot fit 64 tokens."""
+    processor = text_llm.llm_engine.input_processor
+    assert processor.max_prompt_chars == 64
+    calls = []
+    tokenizer = text_llm.get_tokenizer()
+    real = tokenizer.encode
+    try:
+        tokenizer.encode = lambda *a, **kw: calls.append(a) or real(*a, **kw)
+        with pytest.raises(ValueError, match="prompt: 100000 characters, more than max_model_len=64"):
+            text_llm.generate("x" * 100_000, use_tqdm=False)
+        with pytest.raises(ValueError, match="messages: .* characters, more than max_model_len=64"):
+            text_llm.chat([{"role": "user", "content": "y" * 100}], chat_template="{{ messages[0]['content'] }}",
+                          use_tqdm=False)
+    finally:
+        del tokenizer.encode
+    assert calls == []  # refused before tokenizing
+    assert_clean(text_llm)
+
+
+def test_int64_values_never_reach_the_int32_step(model):
+    """Found by the server fuzz: stop_token_ids past int32 (banned before min_tokens) and
+    top_k = 2**63 overflowed the step's int32 arrays and failed it."""
+    llm = make_llm(model, num_kv_blocks=32)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate([[3, 4]], SamplingParams(stop_token_ids=[2**63], min_tokens=2, max_tokens=3), use_tqdm=False)
+    out = llm.generate([[3, 4]], SamplingParams(top_k=2**63, temperature=1.0, seed=0, max_tokens=3,
+                                                ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3
+    assert llm.llm_engine.num_failed_steps == 0
     assert_clean(llm)
 
 

@@ -119,6 +119,52 @@ def test_invalid_grammar_is_a_value_error_before_device_work(llm, spec, match):
     assert llm.get_metrics()["num_compilations"] == before
 
 
+@pytest.mark.parametrize("spec,match", [
+    (SO(regex="a{1000}{1000}"), "structured_outputs.regex: not usable.*lexer"),  # the lexer outgrows its limit
+    (SO(json={"$ref": "#"}), "structured_outputs.json: not usable.*no output can satisfy it"),
+])
+def test_grammar_failing_once_decoding_starts_is_refused(llm, spec, match):
+    """llguidance accepts these, but they fail at the first tokens: found when compiling, not
+    reported later as a normal stop."""
+    with pytest.raises(ValueError, match=match):
+        llm.generate([[5, 6, 7]], constrained(spec), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_a_grammar_failing_later_ends_with_error_not_stop(llm, monkeypatch):
+    """The safety net behind the compile-time walk: a grammar whose lexer overflows mid-output
+    ends with finish_reason "error" and the reason, never "stop"."""
+    monkeypatch.setattr(structured_output, "PROBE_TOKENS", 0)
+    out = llm.generate([[5, 6, 7]], constrained(SO(regex="a{1000}{1000}"), max_tokens=8),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "error" and out.stop_reason.startswith("structured_outputs: lexer"), out
+    assert llm.get_metrics()["num_free_blocks"] == llm.get_metrics()["num_total_blocks"]
+
+
+def test_ten_thousand_choices_give_one_of_them(llm, monkeypatch):
+    choices = [f"option{i}" for i in range(10_000)]
+    for seed in (0, 1):
+        out = llm.generate([[5, 6, 7]], constrained(SO(choice=choices), temperature=1.0, seed=seed, max_tokens=32),
+                           use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "stop" and out.text in choices, out
+    special = ["a.b", "(x|y)", "[z]*", "$^", "a\\b", "{1}", "-~#&", "é 中", "new\nline"]
+    for seed in range(3):
+        out = llm.generate([[5]], constrained(SO(choice=special), temperature=1.0, seed=seed),
+                           use_tqdm=False)[0].outputs[0]
+        assert out.text in special, out  # each option is a literal, not a regex
+    monkeypatch.setattr(structured_output, "MAX_CHOICES", 3)
+    with pytest.raises(ValueError, match="structured_outputs.choice: 4 options; at most 3"):
+        llm.generate([[5]], constrained(SO(choice=["a", "b", "c", "d"])), use_tqdm=False)
+
+
+def test_the_grammar_wins_over_allowed_token_ids(llm):
+    """allowed_token_ids that exclude every token the grammar allows give way: the output still
+    satisfies the constraint."""
+    out = llm.generate([[5, 6]], constrained(SO(choice=["yes", "no"]), temperature=0.0,
+                                             allowed_token_ids=[ord("z")]), use_tqdm=False)[0].outputs[0]
+    assert out.text in ("yes", "no") and out.finish_reason == "stop", out
+
+
 def test_needs_a_tokenizer(qwen2_dir):
     llm = LLM(qwen2_dir[0], num_kv_blocks=16, max_model_len=64)
     with pytest.raises(ValueError, match="structured_outputs.*tokenizer"):

@@ -265,6 +265,9 @@ class Scheduler:
 
     def _check_stop(self, request: Request, seq: Sequence, token: int) -> None:
         params = request.sampling_params
+        if seq.structured is not None and seq.structured.error:  # never reported as a normal stop
+            seq.finish_reason, seq.stop_reason = "error", f"structured_outputs: {seq.structured.error}"
+            return
         if seq.num_output_tokens >= params.min_tokens:
             if token in params.stop_token_ids:
                 seq.finish_reason, seq.stop_reason = "stop", token

@@ -8,13 +8,16 @@ previous one (each advanced completion's new text, token ids and logprobs; text 
 turn out to be the start of a stop string is held back until it cannot). A reader that leaves early
 aborts its request, which frees its blocks on the loop's next turn.
 
-``max_queued_requests`` bounds the requests waiting (added but not yet scheduled): past it,
-`add_request` raises `QueueFullError` at once.
+Admission follows vLLM's semantics: ``max_num_seqs`` sequences run, and beyond them up to
+``max_queued_requests`` requests wait (`num_queued`); past that `add_request` raises `QueueFullError`
+(retry later) at once. Requests that could never be admitted together, even on an idle engine,
+raise `AdmissionError`, a ValueError (a 400, not a retryable 503).
 """
 import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import threading
 import time
 import uuid
@@ -28,12 +31,24 @@ class QueueFullError(RuntimeError):
     """More requests are waiting than ``max_queued_requests`` allows."""
 
 
+class AdmissionError(ValueError):
+    """A request larger than ``max_num_seqs`` running plus ``max_queued_requests`` waiting."""
+
+
 class EngineError(RuntimeError):
     """An engine step failed; the requests in flight were aborted."""
 
 
 class RequestAbortedError(RuntimeError):
     """The request was aborted before the engine produced an output for it."""
+
+
+def _num_seqs(prompt, params) -> int:
+    """The sequences a request runs at once: its beam width, or ``n``."""
+    if isinstance(prompt, Request):
+        return prompt.beam.params.beam_width if prompt.beam is not None else prompt.sampling_params.n
+    width = getattr(params, "beam_width", None)
+    return width if isinstance(width, int) else max(getattr(params, "n", 1), 1)
 
 
 class RequestStream:
@@ -142,6 +157,8 @@ class AsyncLLMEngine:
         self._calls: collections.deque = collections.deque()
         self._streams: dict[str, RequestStream] = {}
         self._admitted: set[str] = set()  # requests the scheduler has taken (seen in a step's outputs)
+        self._slots: dict[str, int] = {}  # request id -> the sequences it runs (n, or beam_width)
+        self.max_num_seqs = engine.max_num_seqs
         self._num_tokens: dict[str, int] = {}
         self._wakeup = threading.Event()
         self._stopping = self._closed = False
@@ -163,6 +180,10 @@ class AsyncLLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    def check_text_length(self, text: str, field: str = "prompt") -> None:
+        """ValueError when ``text`` is too long to be a prompt (the input processor's bound)."""
+        self.engine.input_processor.check_text_length(text, field)
 
     def process(self, request_id, prompt, params=None, *, cache_salt: str | None = None) -> Request:
         """The validated request (ValueError for a bad one), from any thread: the engine's input
@@ -192,6 +213,41 @@ class AsyncLLMEngine:
         with self._lock:
             return len(self._streams) - len(self._admitted)
 
+    @property
+    def num_queued(self) -> int:
+        """Requests that wait because the running sequences fill ``max_num_seqs`` (what
+        ``max_queued_requests`` bounds)."""
+        with self._lock:
+            return self._queued(self._free_slots(), [self._slots[r] for r in self._streams if r not in self._admitted])
+
+    def _free_slots(self) -> int:
+        return self.max_num_seqs - sum(self._slots.get(r, 0) for r in self._admitted)
+
+    @staticmethod
+    def _queued(free: int, slots: list[int]) -> int:
+        """How many of the not-yet-running requests (their sequence counts, in arrival order) wait
+        with ``free`` sequence slots: the first that does not fit and every one after it."""
+        for i, k in enumerate(slots):
+            if k > free:
+                return len(slots) - i
+            free -= k
+        return 0
+
+    def _check_admission(self, slots: list[int]) -> None:
+        """Raises unless requests of these sequence counts can be added now (the lock held)."""
+        limit = self.max_queued_requests
+        if limit is None:
+            return
+        if self._queued(self.max_num_seqs, slots) > limit:
+            raise AdmissionError(f"prompt: {len(slots)} requests of {sum(slots)} sequences can never be admitted "
+                                 f"together: max_num_seqs={self.max_num_seqs} sequences run and "
+                                 f"max_queued_requests={limit} requests wait")
+        pending = [self._slots[r] for r in self._streams if r not in self._admitted]
+        queued = self._queued(self._free_slots(), pending + slots)
+        if queued > limit:
+            raise QueueFullError(f"the queue is full: max_num_seqs={self.max_num_seqs} sequences run and "
+                                 f"max_queued_requests={limit} requests wait; retry later")
+
     # Requests ------------------------------------------------------------------------------------------
     def add_request(self, request_id, prompt=None, params=None, *, cache_salt: str | None = None,
                     delta: bool = False) -> RequestStream:
@@ -199,21 +255,31 @@ class AsyncLLMEngine:
         and parameters, then processed on the loop thread); returns its stream at once.
         ``stream.added`` (a concurrent future) raises the engine's ValueError if it is rejected."""
         if isinstance(request_id, Request):
-            request_id, prompt, params = request_id.request_id, request_id, request_id.sampling_params
-        request_id = uuid.uuid4().hex if request_id is None else str(request_id)
-        stream = RequestStream(request_id, getattr(params, "stop", None), self.abort, delta)
+            return self.add_requests([request_id], delta=delta)[0]
+        return self._register([(request_id, prompt, params, cache_salt)], delta)[0]
+
+    def add_requests(self, requests: list[Request], *, delta: bool = False) -> list[RequestStream]:
+        """Queues processed requests together: all are admitted, or none (`QueueFullError`,
+        `AdmissionError`)."""
+        return self._register([(r.request_id, r, r.sampling_params, None) for r in requests], delta)
+
+    def _register(self, entries: list[tuple], delta: bool) -> list[RequestStream]:
+        ids = [uuid.uuid4().hex if rid is None else str(rid) for rid, _, _, _ in entries]
+        slots = [_num_seqs(prompt, params) for _, prompt, params, _ in entries]
+        streams = [RequestStream(rid, getattr(params, "stop", None), self.abort, delta)
+                   for rid, (_, _, params, _) in zip(ids, entries)]
         with self._lock:
             if self._stopping:
                 raise RuntimeError("the engine is shutting down")
-            if request_id in self._streams:
-                raise ValueError(f"request_id={request_id!r}: already in use")
-            waiting = len(self._streams) - len(self._admitted)
-            if self.max_queued_requests is not None and waiting >= self.max_queued_requests:
-                raise QueueFullError(f"{waiting} requests are waiting (max_queued_requests="
-                                     f"{self.max_queued_requests}); retry later")
-            self._streams[request_id] = stream
-        stream.added = self.call(lambda: self._add(request_id, prompt, params, cache_salt))
-        return stream
+            taken = [rid for rid in ids if rid in self._streams]
+            if taken or len(set(ids)) < len(ids):
+                raise ValueError(f"request_id={(taken or ids)[0]!r}: already in use")
+            self._check_admission(slots)
+            for rid, stream, k in zip(ids, streams, slots):
+                self._streams[rid], self._slots[rid] = stream, k
+        for rid, stream, (_, prompt, params, cache_salt) in zip(ids, streams, entries):
+            stream.added = self.call(functools.partial(self._add, rid, prompt, params, cache_salt))
+        return streams
 
     async def add(self, request_id, prompt, params=None, *, cache_salt: str | None = None,
                   delta: bool = False) -> RequestStream:
@@ -232,6 +298,18 @@ class AsyncLLMEngine:
         stream = await self.add(request_id, prompt, params, cache_salt=cache_salt, delta=delta)
         async for out in stream:
             yield out
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests added and not finished."""
+        with self._lock:
+            return len(self._streams)
+
+    def abort_all(self) -> list[concurrent.futures.Future]:
+        """Aborts every unfinished request (a drain's end); each stream gets its final output."""
+        with self._lock:
+            ids = list(self._streams)
+        return [self.abort(request_id) for request_id in ids]
 
     def abort(self, request_id) -> concurrent.futures.Future:
         """Aborts a request from any thread; its blocks are freed before the next step."""
@@ -309,14 +387,19 @@ class AsyncLLMEngine:
                 self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
         except BaseException:
             with self._lock:
-                self._streams.pop(request_id, None)
+                self._forget(request_id)
             raise
+
+    def _forget(self, request_id: str) -> RequestStream | None:
+        """Drops a request from the front's books (the lock held); returns its stream."""
+        self._admitted.discard(request_id)
+        self._slots.pop(request_id, None)
+        return self._streams.pop(request_id, None)
 
     def _abort(self, request_id: str) -> None:
         out = self.engine.abort_request(request_id)
         with self._lock:
-            stream = self._streams.pop(request_id, None)
-            self._admitted.discard(request_id)
+            stream = self._forget(request_id)
         self._num_tokens.pop(request_id, None)
         if out is not None and self.on_output is not None:
             self._notify(out, 0)
@@ -329,8 +412,7 @@ class AsyncLLMEngine:
             with self._lock:
                 stream = self._streams.get(rid)
                 if out.finished:
-                    self._streams.pop(rid, None)
-                    self._admitted.discard(rid)
+                    self._forget(rid)
                 elif stream is not None:
                     self._admitted.add(rid)
             num_tokens = sum(len(c.token_ids) for c in out.outputs)
@@ -359,8 +441,7 @@ class AsyncLLMEngine:
             except Exception:  # noqa: BLE001
                 logger.exception("abort after a failed step")
             with self._lock:
-                stream = self._streams.pop(request_id, None)
-                self._admitted.discard(request_id)
+                stream = self._forget(request_id)
             self._num_tokens.pop(request_id, None)
             if stream is not None:
                 stream.put(EngineError(f"engine step failed: {error}"))

@@ -4,6 +4,7 @@ The template is the one given, else the tokenizer's own (a GGUF file's ``tokeniz
 metadata or a checkpoint's ``tokenizer_config.json``, both loaded onto the tokenizer). The rendered
 text is tokenized without adding special tokens again: the template writes them itself.
 """
+from jpaged.utils import check_text
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -31,6 +32,7 @@ def normalize_conversation(messages, where: str = "messages") -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m:
             raise ValueError(f"{where}[{i}]: expected a dict with 'role' and 'content'")
+        check_text(m, f"{where}[{i}]")
         if m["role"] not in ROLES:
             raise ValueError(f"{where}[{i}].role={m['role']!r}: must be one of {', '.join(ROLES)}")
         out.append({**m, "content": message_text(m.get("content") or "", f"{where}[{i}]")})
@@ -43,10 +45,11 @@ def is_conversation(obj) -> bool:
 
 
 def apply_chat_template(tokenizer, messages, chat_template: str | None = None,
-                        add_generation_prompt: bool = True) -> dict:
+                        add_generation_prompt: bool = True, check_length=None) -> dict:
     """``{"prompt": text, "prompt_token_ids": ids}`` for one conversation, ready for ``add_request``.
 
-    Raises ValueError when there is no tokenizer, no template, or a malformed conversation.
+    Raises ValueError when there is no tokenizer, no template, or a malformed conversation;
+    ``check_length(text, field)`` (the input processor's) may refuse text too long to tokenize.
     """
     if tokenizer is None:
         raise ValueError("chat: the model has no tokenizer, so it cannot apply a chat template")
@@ -60,4 +63,6 @@ def apply_chat_template(tokenizer, messages, chat_template: str | None = None,
                                              add_generation_prompt=add_generation_prompt)
     except Exception as e:  # jinja2 errors: a broken template, or raise_exception() in it
         raise ValueError(f"chat_template: could not render the conversation: {e}") from None
+    if check_length is not None:
+        check_length(text, "messages")
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}

@@ -19,6 +19,8 @@ class Engine(Protocol):
     `DataParallelEngine`."""
 
     tokenizer: object
+    max_num_seqs: int
+    input_processor: object
 
     def process(self, request_id: str, prompt, sampling_params=None, **kwargs): ...
 
@@ -54,6 +56,14 @@ class DataParallelEngine:
     @property
     def max_model_len(self) -> int:
         return self.replicas[0].max_model_len
+
+    @property
+    def input_processor(self):
+        return self.replicas[0].input_processor
+
+    @property
+    def max_num_seqs(self) -> int:
+        return sum(e.max_num_seqs for e in self.replicas)
 
     def process(self, request_id: str, prompt, sampling_params=None, **kwargs):
         return self.replicas[0].process(request_id, prompt, sampling_params, **kwargs)

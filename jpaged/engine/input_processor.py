@@ -4,6 +4,7 @@ Every check on a request runs here, once, before it reaches the scheduler or the
 raises ``ValueError`` naming the field and nothing else changes. It reads only settings fixed at
 start-up (the tokenizer, the model's vocabulary, the pool size), so it may run on any thread.
 """
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,7 +14,7 @@ from jpaged.core.request import Request
 from jpaged.sample import beam_search
 from jpaged.sample.structured_output import compile_grammar
 from jpaged.sampling_params import BeamSearchParams, SamplingParams, bad_word_token_ids
-from jpaged.utils import cdiv
+from jpaged.utils import cdiv, check_text
 
 
 @dataclass
@@ -26,6 +27,23 @@ class InputProcessor:
     scheduler_config: SchedulerConfig
     eos_token_ids: tuple[int, ...] = ()
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for (its vocabulary string's length bounds it)."""
+        return max(map(len, self.tokenizer.get_vocab()), default=1) if self.tokenizer is not None else 1
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """The longest text that can be a prompt: ``max_model_len`` tokens of the longest kind. Longer
+        text is refused before tokenizing it (megabytes of it would take seconds of CPU)."""
+        return self.max_model_len * self.max_token_chars
+
+    def check_text_length(self, text: str, field: str = "prompt") -> None:
+        if len(text) > self.max_prompt_chars:
+            raise ValueError(f"{field}: {len(text)} characters, more than max_model_len={self.max_model_len} "
+                             f"tokens can hold (a token of this vocabulary is at most {self.max_token_chars} "
+                             "characters)")
+
     def tokenize(self, prompt) -> tuple[str | None, list[int], str | None]:
         """(text or None, token ids, cache_salt or None) of a prompt in any accepted form."""
         salt = None
@@ -33,14 +51,21 @@ class InputProcessor:
             salt = prompt.get("cache_salt")
             if salt is not None and not isinstance(salt, str):
                 raise ValueError(f"cache_salt: expected a string, got {type(salt).__name__}")
+            check_text(salt, "cache_salt")
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._token_ids(prompt["prompt_token_ids"]), salt
+                text = prompt.get("prompt")
+                if text is not None and not isinstance(text, str):
+                    raise ValueError(f"prompt: expected a string beside prompt_token_ids, got {type(text).__name__}")
+                check_text(text, "prompt")
+                return text, self._token_ids(prompt["prompt_token_ids"]), salt
             if "prompt" not in prompt:
                 raise ValueError("prompt: a dict prompt needs 'prompt_token_ids' or 'prompt'")
             prompt = prompt["prompt"]
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: text given but the model has no tokenizer; pass token ids")
+            check_text(prompt, "prompt")
+            self.check_text_length(prompt)
             return prompt, self.tokenizer.encode(prompt), salt
         if isinstance(prompt, (list, tuple)) or hasattr(prompt, "tolist"):
             return None, self._token_ids(prompt), salt
@@ -97,6 +122,7 @@ class InputProcessor:
         text, token_ids, salt = self.tokenize(prompt)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt: expected a string, got {type(cache_salt).__name__}")
+        check_text(cache_salt, "cache_salt")
         self.validate(token_ids, params)
         grammar, bad_word_ids = None, []
         if isinstance(params, SamplingParams):

@@ -50,6 +50,11 @@ class LLMEngine:
         self.input_processor.eos_token_ids = tuple(ids)
 
     @property
+    def max_num_seqs(self) -> int:
+        """Sequences that run at once (the scheduler's slots)."""
+        return self.config.scheduler.max_num_seqs
+
+    @property
     def requests(self) -> dict[str, Request]:
         """Every unfinished request, by id."""
         return self.scheduler.requests

@@ -4,9 +4,16 @@
 with uvicorn. Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (``stream: true`` sends server-sent events ending ``data: [DONE]``),
 ``GET /metrics`` (Prometheus). Errors have OpenAI's shape ``{"error": {"message", "type", "param",
-"code"}}``: 400 for bad JSON, parameters or prompts, 401 without the API key, 404 for an unknown
-model, 503 when ``max_queued_requests`` are already waiting, 500 when the engine fails a request.
-A client that disconnects aborts its requests.
+"code"}}``: 400 for bad JSON, parameters or prompts (``param`` names the field), 401 without the API
+key, 404 for an unknown model, 413 for a body over ``max_body_bytes``, 503 when ``max_num_seqs``
+run and ``max_queued_requests`` already wait (or while draining), 500 when the engine fails a
+request. A client that disconnects aborts its requests.
+
+Bodies are read, parsed and validated here (not by FastAPI) so that a body is bounded while it
+arrives, a large one is parsed on a worker thread, and a string that is not valid Unicode text is
+a 400 naming its field on every route. `drain` is the graceful stop (``scripts/serve.py`` runs it
+on SIGTERM): new requests get a 503, those in flight finish or, after the grace period, end with
+``finish_reason="abort"``.
 
 Output control (``logit_bias``, ``response_format``, vLLM's ``structured_outputs``,
 ``allowed_token_ids``, ``bad_words``) is checked against the model here, before the request reaches
@@ -21,16 +28,23 @@ import re
 import time
 import uuid
 
+import pydantic
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jpaged.engine.async_engine import AsyncLLMEngine, EngineError, QueueFullError, RequestAbortedError
+from jpaged.engine.async_engine import (AdmissionError, AsyncLLMEngine, EngineError, QueueFullError,
+                                       RequestAbortedError)
 from jpaged.engine.chat_template import apply_chat_template
 from jpaged.entrypoints.metrics import ServerMetrics
 from jpaged.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from jpaged.utils import invalid_text_path, release_free_host_memory
+
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20  # a request body larger than this is a 413
+INLINE_BODY_BYTES = 64 * 2**10      # larger bodies are parsed on a worker thread, off the event loop
+DISCARD_BYTES = 64 * 2**20          # a body over the limit is read (and dropped) up to this, then cut
 
 
 class APIError(Exception):
@@ -48,6 +62,8 @@ REQUEST_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest
 
 
 STRUCTURED_PARAMS = ("structured_outputs", "response_format", "StructuredOutputsParams")
+# an engine limit a request exceeds -> the request field that asks for too much
+LIMIT_PARAMS = {"max_num_seqs": "n", "max_num_batched_tokens": "n", "num_kv_blocks": "max_tokens"}
 
 
 def bad_request(e: ValueError, prompt_param: str = "prompt", structured_param: str = "structured_outputs") -> APIError:
@@ -60,7 +76,62 @@ def bad_request(e: ValueError, prompt_param: str = "prompt", structured_param: s
         param = prompt_param
     elif param in STRUCTURED_PARAMS:
         param = structured_param
+    param = LIMIT_PARAMS.get(param, param)
     return APIError(400, message, param=param if param in REQUEST_FIELDS else None)
+
+
+def validation_error(e: pydantic.ValidationError, prefix: int = 0) -> APIError:
+    """A 400 naming the field of pydantic's first error (``loc[prefix:]``)."""
+    first = (e.errors() or [{}])[0]
+    loc = [str(x) for x in first.get("loc", ())[prefix:]]
+    message = first.get("msg", "invalid request")
+    return APIError(400, f"{'.'.join(loc)}: {message}" if loc else message, param=loc[0] if loc else None)
+
+
+def parse_body(body: bytes, model: type[pydantic.BaseModel]):
+    """The request ``model`` from a JSON body; an APIError (400 naming the field) if it is not one."""
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, too deep, an int of 5,000 digits
+        raise APIError(400, f"Invalid JSON body: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"Invalid body: expected a JSON object, got {type(data).__name__}")
+    for field in model.model_fields:
+        path = invalid_text_path(data[field], field) if field in data else None
+        if path is not None:
+            raise APIError(400, f"{path}: not valid Unicode text (it holds a lone surrogate such as '\\ud800'); "
+                                "send UTF-8 text", param=field)
+    try:
+        return model.model_validate(data)
+    except pydantic.ValidationError as e:
+        raise validation_error(e) from None
+    except RecursionError:
+        raise APIError(400, "Invalid body: nested too deeply") from None
+
+
+async def read_body(raw: Request, limit: int) -> bytes:
+    """The body, or a 413 when it exceeds ``limit`` bytes. Nothing past the limit is kept, but up to
+    ``DISCARD_BYTES`` are read and dropped first: a client still sending when the connection closes
+    would see a reset, not the 413."""
+    def too_large(size):
+        return APIError(413, f"Request body of {size} bytes is larger than the server's limit of {limit} bytes "
+                             "(--max_request_body_bytes)", code="request_too_large")
+
+    length = raw.headers.get("content-length", "")
+    if length.isascii() and length.isdigit() and int(length) > max(limit, DISCARD_BYTES):
+        raise too_large(int(length))
+    chunks, size = [], 0
+    async for chunk in raw.stream():
+        size += len(chunk)
+        if size <= limit:
+            chunks.append(chunk)
+        elif size > DISCARD_BYTES:
+            break
+        else:
+            chunks.clear()
+    if size > limit:
+        raise too_large(size if size <= DISCARD_BYTES else f"more than {DISCARD_BYTES}")
+    return b"".join(chunks)
 
 
 def _top(entry: dict, token: int, k: int) -> dict:
@@ -78,10 +149,25 @@ def _sse(payload) -> str:
 class OpenAIServing:
     """The request handlers, sharing the engine, the tokenizer and the model name."""
 
-    def __init__(self, async_engine: AsyncLLMEngine, model_name: str, chat_template: str | None):
+    def __init__(self, async_engine: AsyncLLMEngine, model_name: str, chat_template: str | None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         self.engine, self.model_name, self.chat_template = async_engine, model_name, chat_template
         self.tokenizer = async_engine.tokenizer
+        self.max_body_bytes = max_body_bytes
+        self.draining = False  # set by `drain`: new requests get a 503
         self._token_text: dict[int, str] = {}
+
+    async def parse(self, raw: Request, model: type[pydantic.BaseModel]):
+        """The request body as ``model``: bounded in size, parsed on a worker thread when large (so
+        that a megabyte of JSON never stalls the event loop and the streams it serves)."""
+        body = await read_body(raw, self.max_body_bytes)
+        if len(body) <= INLINE_BODY_BYTES:
+            return parse_body(body, model)
+        try:
+            return await asyncio.to_thread(parse_body, body, model)
+        finally:
+            del body
+            release_free_host_memory()  # what a large body took goes back to the OS
 
     # Helpers --------------------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -109,8 +195,7 @@ class OpenAIServing:
         """Adds one engine request per prompt; all accepted, or none (then the APIError). Each is
         processed (tokenized, validated, its grammar compiled into the shared cache) on a worker
         thread, off the event loop and the engine loop."""
-        if not self.engine.is_running:
-            raise APIError(503, "the engine is not running (shutting down)", type="server_error")
+        self.check_accepting()
         requests = []
         for i, prompt in enumerate(prompts):
             try:
@@ -119,17 +204,17 @@ class OpenAIServing:
             except ValueError as e:
                 raise bad_request(ValueError(f"prompt[{i}]: {e}" if len(prompts) > 1 else str(e)),
                                   prompt_param, structured_param) from None
-        streams = []
+        self.check_accepting()
         try:
-            for request in requests:
-                streams.append(self.engine.add_request(request, delta=delta))
-            results = await asyncio.gather(*(asyncio.wrap_future(s.added) for s in streams), return_exceptions=True)
+            streams = self.engine.add_requests(requests, delta=delta)
         except QueueFullError as e:
-            self.abort(streams)
             raise APIError(503, str(e), type="server_error", code="queue_full") from None
+        except AdmissionError as e:  # could never be admitted: not worth a retry
+            raise bad_request(e, prompt_param, structured_param) from None
         except RuntimeError as e:  # shutting down
-            self.abort(streams)
             raise APIError(503, str(e), type="server_error") from None
+        try:
+            results = await asyncio.gather(*(asyncio.wrap_future(s.added) for s in streams), return_exceptions=True)
         except BaseException:
             self.abort(streams)
             raise
@@ -142,6 +227,21 @@ class OpenAIServing:
                                   prompt_param, structured_param)
             raise e
         return streams
+
+    def check_accepting(self) -> None:
+        if self.draining or not self.engine.is_running:
+            raise APIError(503, "the server is shutting down; retry on another replica", type="server_error",
+                           code="shutting_down")
+
+    def failure(self, choice, structured_param: str) -> APIError | None:
+        """The error a failed choice (finish_reason "error") is: a 400 naming the constraint when its
+        grammar failed (``stop_reason`` says why), else a 500."""
+        if choice.finish_reason != "error":
+            return None
+        reason = choice.stop_reason if isinstance(choice.stop_reason, str) else ""
+        if reason.startswith("structured_outputs"):
+            return APIError(400, reason, param=structured_param)
+        return APIError(500, "the engine failed while generating this request", type="server_error")
 
     def abort(self, streams) -> None:
         for s in streams:
@@ -182,7 +282,7 @@ class OpenAIServing:
             for t in tasks:
                 t.cancel()
 
-    async def collect(self, streams, raw: Request) -> list:
+    async def collect(self, streams, raw: Request, structured_param: str) -> list:
         """Each stream's final output; a client that disconnects first aborts them all."""
         async def last(stream):
             out = None
@@ -197,6 +297,9 @@ class OpenAIServing:
             if not work.done():
                 self.abort(streams)
                 work.cancel()
+                await asyncio.wait({work})  # its outcome is retrieved: no "exception was never retrieved"
+                if not work.cancelled():
+                    work.exception()
                 raise APIError(499, "client disconnected")
             outs = work.result()
         except (EngineError, RequestAbortedError) as e:
@@ -205,8 +308,10 @@ class OpenAIServing:
             watch.cancel()
             self.abort(streams)
         for out in outs:
-            if any(c.finish_reason == "error" for c in out.outputs):
-                raise APIError(500, "the engine failed while generating this request", type="server_error")
+            for c in out.outputs:
+                error = self.failure(c, structured_param)
+                if error is not None:
+                    raise error
         return outs
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
@@ -254,12 +359,15 @@ class OpenAIServing:
         return {"content": content}
 
     async def error_events(self, gen):
-        """Server-sent events from ``gen``; a failing engine ends the stream with an error event."""
+        """Server-sent events from ``gen``; a failing engine or grammar ends the stream with an error
+        event."""
         try:
             async for event in gen:
                 yield event
         except (EngineError, RequestAbortedError) as e:
             yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+        except APIError as e:
+            yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
         yield "data: [DONE]\n\n"
 
     # Completions -------------------------------------------------------------------------------------------
@@ -279,7 +387,7 @@ class OpenAIServing:
         if body.stream:
             return StreamingResponse(self.error_events(self._completion_events(body, streams, base)),
                                      media_type="text/event-stream")
-        outs = await self.collect(streams, raw)
+        outs = await self.collect(streams, raw, body.structured_param)
         choices, completion_tokens = [], 0
         for i, out in enumerate(outs):
             prompt_text = self._prompt_text(out) if body.echo else ""
@@ -330,8 +438,9 @@ class OpenAIServing:
                     else:
                         first[i] = (extra, set())
                 for c in out.outputs:
-                    if c.finish_reason == "error":
-                        raise EngineError("the engine failed while generating this request")
+                    error = self.failure(c, body.structured_param)
+                    if error is not None:
+                        raise error
                     index = i * body.n + c.index
                     completion_tokens += len(c.token_ids)
                     logprobs = None
@@ -354,8 +463,8 @@ class OpenAIServing:
         self.check_model(body.model)
         try:
             params = body.sampling_params()
-            prompt = apply_chat_template(self.tokenizer, body.messages, self.chat_template,
-                                         body.add_generation_prompt)
+            prompt = await asyncio.to_thread(apply_chat_template, self.tokenizer, body.messages, self.chat_template,
+                                             body.add_generation_prompt, self.engine.check_text_length)
         except ValueError as e:
             raise bad_request(e, "messages", body.structured_param) from None
         await self.check_params(params, body)
@@ -366,7 +475,7 @@ class OpenAIServing:
         if body.stream:
             return StreamingResponse(self.error_events(self._chat_events(body, streams[0], base)),
                                      media_type="text/event-stream")
-        out = (await self.collect(streams, raw))[0]
+        out = (await self.collect(streams, raw, body.structured_param))[0]
         top = body.top_logprobs or 0
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": self.chat_logprobs(c.token_ids, c.logprobs, top) if body.logprobs else None,
@@ -387,8 +496,9 @@ class OpenAIServing:
             async for out in stream:
                 prompt_tokens, cached = len(out.prompt_token_ids), out.num_cached_tokens
                 for c in out.outputs:
-                    if c.finish_reason == "error":
-                        raise EngineError("the engine failed while generating this request")
+                    error = self.failure(c, body.structured_param)
+                    if error is not None:
+                        raise error
                     completion_tokens += len(c.token_ids)
                     delta = {"content": c.text} if c.text else {}
                     logprobs = self.chat_logprobs(c.token_ids, c.logprobs, top) if body.logprobs else None
@@ -411,16 +521,16 @@ class OpenAIServing:
 
 
 class APIKeyMiddleware:
-    """401 for every ``/v1`` call without ``Authorization: Bearer <api_key>`` (plain ASGI, so that
-    streaming and disconnects pass through untouched)."""
+    """401 for every ``/v1`` call without ``Authorization: Bearer <api_key>`` (the scheme in any
+    case, as HTTP has it; plain ASGI, so that streaming and disconnects pass through untouched)."""
 
     def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.expected = app, api_key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+            if not (scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.expected)):
                 response = error_response(401, "Incorrect or missing API key (send `Authorization: Bearer <key>`).",
                                           code="invalid_api_key")
                 await response(scope, receive, send)
@@ -435,9 +545,27 @@ async def _wait_for_disconnect(raw: Request) -> None:
             return
 
 
+async def drain(app: FastAPI, timeout: float, poll: float = 0.05) -> int:
+    """The graceful stop: from now on new requests get a 503 (and ``/health`` too); the requests in
+    flight get ``timeout`` seconds to finish, then the rest are aborted, so that each ends with
+    ``finish_reason="abort"`` (streams with a last chunk and ``data: [DONE]``). Returns how many
+    were aborted. The app's shutdown then stops the engine."""
+    serving: OpenAIServing = app.state.serving
+    engine = serving.engine
+    serving.draining = True
+    deadline = time.monotonic() + timeout
+    while engine.num_unfinished and time.monotonic() < deadline:
+        await asyncio.sleep(poll)
+    aborted = engine.abort_all()
+    await asyncio.gather(*(asyncio.wrap_future(f) for f in aborted), return_exceptions=True)
+    return len(aborted)
+
+
 def create_app(async_engine: AsyncLLMEngine, *, served_model_name: str, api_key: str | None = None,
-               chat_template: str | None = None, metrics: ServerMetrics | None = None) -> FastAPI:
-    """The FastAPI app. Its shutdown (e.g. uvicorn's on SIGTERM) shuts the engine down.
+               chat_template: str | None = None, metrics: ServerMetrics | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The FastAPI app. Its shutdown (e.g. uvicorn's on SIGTERM) shuts the engine down; `drain`
+    first lets the requests in flight finish.
 
     Pass ``metrics`` when it was built before the engine (so that its ``on_output`` is the engine's);
     otherwise the app makes one and hooks it in.
@@ -445,7 +573,7 @@ def create_app(async_engine: AsyncLLMEngine, *, served_model_name: str, api_key:
     if metrics is None:
         metrics = ServerMetrics(async_engine, served_model_name)
         async_engine.on_output = metrics.on_output
-    serving = OpenAIServing(async_engine, served_model_name, chat_template)
+    serving = OpenAIServing(async_engine, served_model_name, chat_template, max_body_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -463,13 +591,12 @@ def create_app(async_engine: AsyncLLMEngine, *, served_model_name: str, api_key:
         return error_response(e.status, e.message, e.type, e.param, e.code)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(request, e: RequestValidationError):
+    async def request_validation_error(request, e: RequestValidationError):
         first = (e.errors() or [{}])[0]
         if first.get("type") == "json_invalid":
             return error_response(400, f"Invalid JSON body: {first.get('msg', '')}")
-        param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None  # loc[0] is "body"
-        message = first.get("msg", "invalid request")
-        return error_response(400, f"{param}: {message}" if param else message, param=param)
+        error = validation_error(e, prefix=1)  # loc[0] is "body"
+        return error_response(error.status, error.message, param=error.param)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, e: StarletteHTTPException):
@@ -481,7 +608,7 @@ def create_app(async_engine: AsyncLLMEngine, *, served_model_name: str, api_key:
 
     @app.get("/health")
     async def health():
-        if not async_engine.is_running:
+        if serving.draining or not async_engine.is_running:
             return error_response(503, "the engine is not running", type="server_error")
         return Response(status_code=200)
 
@@ -490,12 +617,12 @@ def create_app(async_engine: AsyncLLMEngine, *, served_model_name: str, api_key:
         return serving.models()
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw: Request):
-        return await serving.completions(body, raw)
+    async def completions(raw: Request):
+        return await serving.completions(await serving.parse(raw, CompletionRequest), raw)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, raw: Request):
-        return await serving.chat(body, raw)
+    async def chat_completions(raw: Request):
+        return await serving.chat(await serving.parse(raw, ChatCompletionRequest), raw)
 
     @app.get("/metrics")
     async def prometheus_metrics():

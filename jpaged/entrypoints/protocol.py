@@ -9,7 +9,7 @@ with ``extra_body``).
 """
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StrictInt
 
 from jpaged.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -30,7 +30,7 @@ class _SamplingRequest(BaseModel):
     n: int = 1
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None  # token ids: real integers (not true, 1.0 or "1")
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -39,7 +39,7 @@ class _SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[str, Any] | None = None      # OpenAI: token id (as a string) -> bias in [-100, 100]
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[str] | None = None
     response_format: dict[str, Any] | None = None  # OpenAI: {"type": "text" | "json_object" | "json_schema"}
     structured_outputs: dict[str, Any] | None = None  # vLLM: {"json" | "regex" | "choice" | "grammar": ...}
@@ -94,7 +94,7 @@ class _SamplingRequest(BaseModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     echo: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # vLLM: each choice's ``prompt_logprobs``

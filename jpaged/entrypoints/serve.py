@@ -5,18 +5,20 @@
   jpaged-serve --config smollm2-135m-instruct --max_num_seqs 64 --max_queued_requests 256
 
 The engine loads and compiles its first step before the port opens, so ``GET /health`` answers 200
-as soon as it answers at all. SIGTERM (or Ctrl-C) stops accepting connections, lets requests in
-flight finish for up to ``--shutdown_timeout`` seconds, aborts the rest and exits.
+as soon as it answers at all. SIGTERM (or Ctrl-C) drains: new requests get a 503, requests in
+flight finish for up to ``--shutdown_timeout`` seconds, the rest end with ``finish_reason="abort"``
+(streams with their last chunk and ``data: [DONE]``), then the process exits 0.
 """
 import logging
 import os
+import signal
 import sys
 
 from absl import app, flags
 
 from jpaged.entrypoints import engine_flags
 from jpaged.entrypoints.engine_flags import define_engine_flags, llm_args
-from jpaged.logger import configure_logging
+from jpaged.logger import configure_logging, logger
 
 F = flags.FLAGS
 define_engine_flags()
@@ -30,7 +32,9 @@ flags.DEFINE_integer("max_queued_requests", None,
                      "Waiting requests beyond which new ones get a 503 (default: no limit)")
 flags.DEFINE_string("chat_template", None, "Jinja chat template (a file or the template itself); "
                     "default: the tokenizer's")
-flags.DEFINE_float("shutdown_timeout", 10.0, "Seconds in-flight requests get to finish after SIGTERM")
+flags.DEFINE_float("shutdown_timeout", 10.0, "Seconds in-flight requests get to finish after SIGTERM; "
+                   "then they end with finish_reason=abort")
+flags.DEFINE_integer("max_request_body_bytes", 8 * 2**20, "Request bodies larger than this get a 413")
 flags.DEFINE_enum("log_level", "info", ["critical", "error", "warning", "info", "debug"], "uvicorn log level")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -49,17 +53,43 @@ def build_app():
         with open(chat_template) as f:
             chat_template = f.read()
     name = F.served_model_name or (model.rstrip("/") if model else DEFAULT_MODEL_NAME)
-    return create_app(async_engine, served_model_name=name, api_key=F.api_key or None, chat_template=chat_template)
+    return create_app(async_engine, served_model_name=name, api_key=F.api_key or None, chat_template=chat_template,
+                      max_body_bytes=F.max_request_body_bytes)
+
+
+FLUSH_SECONDS = 5.0  # after a drain, what the connections get to send their last chunks
+
+
+def draining_server(app, **config):
+    """A uvicorn server whose shutdown first drains the app (`openai_server.drain`), and that exits
+    normally on SIGTERM (uvicorn re-raises the signal it caught, which ends the process with it)."""
+    import uvicorn
+
+    from jpaged.entrypoints.openai_server import drain
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if sig == signal.SIGTERM and not self.should_exit:
+                self.should_exit = True  # handled in full: not raised again on the way out
+            else:
+                super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets=None):
+            if not self.force_exit:
+                aborted = await drain(app, F.shutdown_timeout)
+                if aborted:
+                    logger.warning("drain: %d request(s) still running after %g s were "
+                                                        "aborted", aborted, F.shutdown_timeout)
+            await super().shutdown(sockets)
+
+    return DrainingServer(uvicorn.Config(app, timeout_graceful_shutdown=FLUSH_SECONDS, **config))
 
 
 def main(argv):
     del argv
-    import uvicorn
-
     logging.basicConfig(level=logging.INFO)
     configure_logging()
-    uvicorn.run(build_app(), host=F.host, port=F.port, log_level=F.log_level,
-                timeout_graceful_shutdown=F.shutdown_timeout)
+    draining_server(build_app(), host=F.host, port=F.port, log_level=F.log_level).run()
 
 
 def run():

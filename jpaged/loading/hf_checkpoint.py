@@ -52,8 +52,8 @@ def model_config(hf_config: dict, source: str) -> ModelConfig:
     head_dim = text.get("head_dim")
     if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1):
         bad(f"head_dim={head_dim!r}: must be a positive integer")
-    if head_dim is None and hidden % heads:
-        bad(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads} (and no head_dim)")
+    if hidden % heads:  # transformers refuses it too, even with a head_dim
+        bad(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads}")
     try:
         return ModelConfig.from_hf(hf_config)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -89,4 +89,7 @@ def load_tokenizer(path: str):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 -- transformers' and huggingface_hub's errors share no base
+        raise ValueError(f"{path}: the tokenizer cannot be loaded ({type(e).__name__}: {e})") from None

@@ -37,8 +37,10 @@ def read_checkpoint(path: str, keep_gguf_blocks: bool = False):
     if os.path.isdir(path):
         if not os.path.exists(os.path.join(path, "config.json")):
             raise ValueError(f"model={path!r}: directory has no config.json")
-        return (hf_checkpoint.read_config(path), hf_checkpoint.iter_safetensors(path),
-                hf_checkpoint.load_tokenizer(path))
+        config = hf_checkpoint.read_config(path)
+        # checked before transformers reads config.json again for the tokenizer (its errors name no file)
+        hf_checkpoint.model_config(config, os.path.join(path, "config.json"))
+        return config, hf_checkpoint.iter_safetensors(path), hf_checkpoint.load_tokenizer(path)
     raise ValueError(f"model={path!r}: not a Hugging Face directory, a .gguf file or a known preset")
 
 

@@ -121,8 +121,9 @@ def unpack_bitmask(bitmask, vocab_size):
 
 
 def apply_masks(logits, t: SamplingTensors):
-    """Structured-output bitmask, allowed_token_ids, banned tokens -> -inf. Bans (``bad_words``,
-    EOS before ``min_tokens``) give way where they would leave a row no token at all."""
+    """Structured-output bitmask, allowed_token_ids, banned tokens -> -inf. The grammar always holds:
+    ``allowed_token_ids`` and bans (``bad_words``, EOS before ``min_tokens``) give way where they
+    would leave a row no token at all."""
     rows = jnp.arange(logits.shape[0])[:, None]
     vocab = logits.shape[-1]
     if t.token_bitmask.shape[1]:
@@ -130,7 +131,8 @@ def apply_masks(logits, t: SamplingTensors):
     if t.allowed_token_ids.shape[1]:
         ids = jnp.where(t.allowed_token_ids < 0, vocab, t.allowed_token_ids)
         allowed = jnp.zeros(logits.shape, bool).at[rows, ids].set(True, mode="drop")
-        logits = jnp.where(allowed | ~t.has_allowed[:, None], logits, -jnp.inf)
+        kept = jnp.where(allowed | ~t.has_allowed[:, None], logits, -jnp.inf)
+        logits = jnp.where(jnp.isfinite(kept).any(axis=-1, keepdims=True), kept, logits)
     if t.banned_token_ids.shape[1]:  # a ban that would leave no token yields (e.g. a grammar that
         ids = jnp.where(t.banned_token_ids < 0, vocab, t.banned_token_ids)  # allows only EOS)
         banned = logits.at[rows, ids].set(-jnp.inf, mode="drop")

@@ -11,6 +11,8 @@ import numpy as np
 
 from jpaged.sample import structured_output
 
+INT32_MAX = 2**31 - 1
+
 
 @dataclass
 class SamplingBatch:
@@ -85,6 +87,9 @@ def token_bitmask(rows) -> np.ndarray:
             mask[i, grammar.bitmask_width:] = 0
     if active:
         structured_output.fill_bitmasks(active, mask)
+        for state, i in active:  # failed while computing its mask: EOS only, and the row ends "error"
+            if state.error:
+                state.fill_bitmask(mask[i, :state.grammar.bitmask_width], rows[i][0].eos_token_ids)
     for i, j in copies:
         mask[i] = mask[j]
     return mask
@@ -100,7 +105,7 @@ def build_sampling_batch(rows, engine_seed: int) -> SamplingBatch:
     use_penalties = any(p.uses_penalties for p in params)
     return SamplingBatch(
         temperature=[p.temperature for p in params],
-        top_k=[p.top_k for p in params],
+        top_k=[min(p.top_k, INT32_MAX) for p in params],  # any k past the vocabulary keeps every token
         top_p=[p.top_p for p in params],
         min_p=[p.min_p for p in params],
         seeds=seeds,

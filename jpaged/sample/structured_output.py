@@ -8,6 +8,11 @@ words into a numpy array), and takes JSON schemas, regexes, Lark and GBNF gramma
 A sequence's matcher follows its tokens lazily: before each step it consumes the output tokens it
 has not seen, so forks (``n > 1``), recompute preemption and prefix-cache hits need nothing more
 than ``Sequence.fork`` copying the matcher.
+
+A grammar that llguidance accepts may still fail once decoding starts (a parser row or the lexer
+over its limits, a schema no output can satisfy): `compile_grammar` computes the first masks along
+one path, so such a grammar is a ValueError before the request runs. One that still fails later
+ends its sequence with finish_reason "error" (`StructuredState.error`), never a silent "stop".
 """
 import collections
 import threading
@@ -21,6 +26,9 @@ MAX_CACHED_GRAMMARS = 256
 # JSON is written as ``{"a": 1, "b": [2, 3]}``: no free whitespace, which a weak model would fill
 # until max_tokens. A schema can override these with an "x-guidance" object (llguidance's options).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+MAX_CHOICES = 100_000  # options of one `choice`; 100k compile and walk in about a second
+PROBE_TOKENS = 8       # tokens `compile_grammar` walks to find a grammar that fails once decoding starts
+REGEX_META = set("\\.+*?()|[]{}^$#&-~")  # what Rust's regex syntax needs escaped
 
 
 def _ll_tokenizer(tokenizer, vocab_size: int):
@@ -74,6 +82,12 @@ class StructuredState:
         """False once the grammar has finished or failed; then only EOS is allowed (`fill_bitmask`)."""
         return not (self.matcher.is_stopped() or self.matcher.is_error())
 
+    @property
+    def error(self) -> str | None:
+        """Why the grammar failed (a limit hit, a token it rejects), or None: the sequence then ends
+        with finish_reason "error", not "stop"."""
+        return _first_line(self.matcher.get_error()) if self.matcher.is_error() else None
+
     def fill_bitmask(self, out: np.ndarray, eos_token_ids) -> None:
         """Writes the allowed next tokens into ``out`` (int32 words)."""
         if not self.active:
@@ -104,6 +118,18 @@ def fill_bitmasks(states: list[tuple["StructuredState", int]], mask: np.ndarray)
                                       mask.shape[1] * 4, mask.shape[0])
 
 
+def _first_line(error: str) -> str:
+    """llguidance's error without the parser state and grammar it appends."""
+    line = error.split("\n<state>", 1)[0].split("\n", 1)[0].strip()
+    return "no output can satisfy it" if line == "NoExtensionBias" else line or "the grammar failed"
+
+
+def choice_regex(choices: list[str]) -> str:
+    """The options as one regex alternation: a single lexeme, so that llguidance's parser sees one
+    item however many options there are (as grammar alternatives, 2,000 overflow a parser row)."""
+    return "(" + "|".join("".join("\\" + ch if ch in REGEX_META else ch for ch in c) for c in choices) + ")"
+
+
 def grammar_text(spec) -> str:
     """The llguidance grammar for a StructuredOutputsParams; ValueError if it does not parse."""
     import llguidance
@@ -113,7 +139,9 @@ def grammar_text(spec) -> str:
         if kind == "json":
             return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
         if kind == "choice":
-            return llguidance.grammar_from("choice", text)
+            if len(spec.choice) > MAX_CHOICES:
+                raise ValueError(f"{len(spec.choice)} options; at most {MAX_CHOICES} are supported")
+            return llguidance.LLMatcher.grammar_from_regex(choice_regex(spec.choice))
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(text)
         return llguidance.grammar_from("grammar", text)
@@ -139,13 +167,37 @@ def compile_grammar(spec, tokenizer, vocab_size: int) -> Grammar:
         raise ValueError(f"structured_outputs.{kind}: {error}")
     matcher = llguidance.LLMatcher(ll_tok, source, log_level=0)
     if matcher.is_error():
-        raise ValueError(f"structured_outputs.{kind}: {matcher.get_error()}")
+        raise ValueError(f"structured_outputs.{kind}: {_first_line(matcher.get_error())}")
     grammar = Grammar(matcher, ll_tok.vocab_size)
+    error = probe(grammar, tokenizer)
+    if error:
+        raise ValueError(f"structured_outputs.{kind}: not usable within the grammar engine's limits ({error})")
     with _lock:
         _grammars[key] = grammar
         while len(_grammars) > MAX_CACHED_GRAMMARS:
             _grammars.popitem(last=False)
     return grammar
+
+
+def probe(grammar: Grammar, tokenizer) -> str | None:
+    """Why ``grammar`` fails in its first `PROBE_TOKENS` steps (each time taking the lowest allowed
+    token that is not EOS), or None. Catches what only shows once decoding starts: a schema that no
+    output satisfies, a parser row or a lexer over llguidance's limits."""
+    state = grammar.new_state()
+    eos = {t for t in (getattr(tokenizer, "eos_token_id", None),) if t is not None}
+    mask = np.zeros(grammar.bitmask_width, np.int32)
+    for _ in range(PROBE_TOKENS):
+        state.fill_bitmask(mask, ())
+        if state.error:
+            return state.error
+        if not state.active:
+            return None
+        bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[:grammar.n_vocab]
+        allowed = [t for t in np.flatnonzero(bits).tolist() if t not in eos]
+        if not allowed:
+            return None if state.matcher.is_accepting() else "no token is allowed"
+        state.matcher.consume_token(allowed[0])
+    return state.error
 
 
 def clear_cache() -> None:
