@@ -170,11 +170,14 @@ def build(config: EngineConfig, model=None, tokenizer=None, devices=None) -> Eng
     kv_cache = kv_cache_manager(config, num_blocks, max_model_len)
     swap_blocks = cc.swap_space_bytes // per_block if cc.preemption_mode == "swap" else 0
     scheduler = Scheduler(sc, kv_cache, max_model_len=max_model_len, preemption_mode=cc.preemption_mode,
-                          swap_capacity_blocks=swap_blocks, seed=config.seed)
+                          swap_capacity_blocks=swap_blocks, seed=config.seed,
+                          speculative_config=config.speculative_config)
     pool = kv_pool.KVPool(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
                           num_blocks=num_blocks, block_size=cc.block_size, dtype=kv_dtype, mesh=mesh,
                           num_host_blocks=swap_blocks, counter=CompileCounter())
-    buckets = StepBuckets(sc.max_num_seqs, max_model_len, cc.block_size, backend)
+    spec = config.speculative_config
+    buckets = StepBuckets(sc.max_num_seqs, max_model_len, cc.block_size, backend,
+                          num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens)
     runner = ModelRunner(model, pool, buckets, mesh=mesh, dtype=dtype, max_decode_window=sc.num_scheduler_steps,
                          whole_step=mesh.devices.flat[0].platform in ("tpu", "gpu"))
     start = time.perf_counter()
