@@ -171,10 +171,11 @@ class ModelRunner:
         return p.head(shell_state, x[logits_indices])[0], new_caches
 
     # Precompiling -----------------------------------------------------------------------------------------
-    def compile_heads(self, max_tokens: int, max_seqs: int) -> None:
+    def compile_heads(self, max_tokens: int, max_rows: int) -> None:
         """Compiles what follows the layers for every sampled-row bucket: taking the rows out of
         each token bucket, the logits, and the sampler (greedy, and sampled without penalties or
-        filters). A whole-step runner compiles these with its steps (`precompile`)."""
+        filters), and a draft model's proposal loop. A whole-step runner compiles these with its
+        steps (`precompile`)."""
         if self.pieces is None:
             return
         hidden_size = self.config.hidden_size
@@ -183,7 +184,9 @@ class ModelRunner:
                 x = np.zeros((t_pad, hidden_size), self.dtype)
                 for r_pad in self.buckets.row_buckets(t_pad):
                     self.counter.call("rows", self._take_rows, x, np.zeros(r_pad, np.int32))
-            for r_pad in self.buckets.token_buckets(max_seqs):
+                    if self.drafter is not None:
+                        self.drafter.compile(self.buckets.shape(t_pad, 1, 1), r_pad)
+            for r_pad in self.buckets.token_buckets(max_rows):
                 hidden = np.zeros((r_pad, hidden_size), self.dtype)
                 logits, _ = self.counter.call("head", self._head, self.pieces.shell_state, hidden, None, None,
                                               num_fixed=1)

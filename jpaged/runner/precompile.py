@@ -2,8 +2,11 @@
 
 A step's shapes depend only on its token count, sampled rows and sampling options
 (`buckets.StepBuckets`), so dummy steps of each token bucket, then the logits and sampler of each
-row count (greedy and sampled, without penalties or filters), cover the steady state. Dummy steps
-write into block 0, which is free: nothing reads it before its owner writes it.
+row count (greedy and sampled, without penalties or filters), cover the steady state. With
+speculative decoding a step samples up to ``max_num_seqs * (1 + num_speculative_tokens)`` rows
+(`StepBuckets.max_num_rows`): the row buckets past ``max_num_seqs`` are verification steps, and a
+draft model's calls compile with the steps they follow. Dummy steps write into block 0, which is
+free: nothing reads it before its owner writes it.
 """
 import logging
 import time
@@ -17,14 +20,32 @@ logger = logging.getLogger("jpaged")
 
 def dummy_step(runner: ModelRunner, num_tokens: int, num_rows: int = 1, greedy: bool = True) -> SchedulerOutput:
     """A step of ``num_tokens`` tokens, all in block 0, sampling ``num_rows`` rows: ``num_rows - 1``
-    one-token sequences, then the rest in as few sequences as ``max_model_len`` allows."""
+    one-token sequences, then the rest in as few sequences as ``max_model_len`` allows. More rows
+    than ``max_num_seqs`` (speculative decoding) are verification rows: ``max_num_seqs`` sequences
+    of one token and up to ``num_speculative_tokens`` proposals."""
     buckets = runner.buckets
+    if num_rows > buckets.max_num_seqs:
+        return _dummy_verification(buckets, num_tokens, num_rows, greedy)
     rest = num_tokens - (num_rows - 1)
     per_seq = min(rest, buckets.max_model_len)
     lengths = [1] * (num_rows - 1) + [per_seq] * (rest // per_seq) + ([rest % per_seq] if rest % per_seq else [])
     seqs = [ScheduledSeq("warmup", 0, [0] * n, 0, [0] * cdiv(n, buckets.block_size)) for n in lengths]
     sampling = plain_sampling(num_rows)[0 if greedy else 1]
     return SchedulerOutput(seqs=seqs, sample_rows=[SampleRow(i, 0) for i in range(num_rows)], sampling=sampling)
+
+
+def _dummy_verification(buckets, num_tokens: int, num_rows: int, greedy: bool) -> SchedulerOutput:
+    """``num_rows`` sample rows over ``max_num_seqs`` sequences with proposals (tokens beyond the
+    rows lead the first sequence)."""
+    num_seqs = buckets.max_num_seqs
+    per_seq = [num_rows // num_seqs + (i < num_rows % num_seqs) for i in range(num_seqs)]
+    seqs, rows = [], []
+    for i, r in enumerate(per_seq):
+        n = r + (num_tokens - num_rows if i == 0 else 0)
+        seqs.append(ScheduledSeq("warmup", 0, [0] * (n - r + 1), 0, [0] * cdiv(n, buckets.block_size),
+                                 spec_token_ids=[0] * (r - 1)))
+        rows += [SampleRow(i, 0, j) for j in range(r)]
+    return SchedulerOutput(seqs=seqs, sample_rows=rows, sampling=plain_sampling(num_rows)[0 if greedy else 1])
 
 
 def warm_up(runner: ModelRunner, *, max_tokens: int, max_seqs: int, precompile: bool,
@@ -40,9 +61,9 @@ def warm_up(runner: ModelRunner, *, max_tokens: int, max_seqs: int, precompile: 
             continue
         for r_pad in buckets.row_buckets(t_pad):  # a whole step compiles per (tokens, rows, sampling)
             for greedy in (True, False):
-                runner.execute(dummy_step(runner, t_pad, min(r_pad, max_seqs), greedy))
+                runner.execute(dummy_step(runner, t_pad, min(r_pad, buckets.max_num_rows), greedy))
     if precompile:
-        runner.compile_heads(max_tokens, max_seqs)
+        runner.compile_heads(max_tokens, min(max_tokens, buckets.max_num_rows))
         if decode_windows:
             runner.compile_decode_windows(max_seqs)
         logger.info("precompiled %d step shapes in %.1f s", runner.num_compilations, time.perf_counter() - start)

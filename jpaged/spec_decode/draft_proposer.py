@@ -72,12 +72,26 @@ class DraftModelProposer:
         next_pos[:len(proposing)] = [out.seqs[i].start + len(out.seqs[i].token_ids) for i in proposing]
         tables = np.zeros_like(inputs.block_tables)
         tables[:len(proposing)] = inputs.block_tables[proposing]
-        tokens, self.kv_pool.caches = self.counter.call(
-            "draft_propose", self._propose, self.state, self.kv_pool.caches, sampled, rows_p, drafts_p, next_pos,
-            tables, np.int32(len(proposing)), self._greedy(s_pad), np.int32(k if proposing else 0), num_fixed=2)
+        tokens = self._run_proposals(sampled, rows_p, drafts_p, next_pos, tables, len(proposing))
         result = np.full((len(out.seqs), k), -1, np.int32)
         result[proposing] = np.asarray(tokens)[:, :len(proposing)].T
         return result
+
+    def compile(self, shape: tuple[int, int, int], num_rows: int) -> None:
+        """Compiles the proposal loop for a step of padded ``shape`` (tokens, sequences, blocks per
+        sequence) sampling ``num_rows`` padded rows (`precompile`)."""
+        _, s_pad, b_pad = shape
+        with jax.set_mesh(self.mesh):
+            self._run_proposals(np.zeros(num_rows, np.int32), np.full((s_pad, self.k + 1), -1, np.int32),
+                                np.full((s_pad, self.k), -1, np.int32), np.zeros(s_pad, np.int32),
+                                np.zeros((s_pad, b_pad), np.int32), 0)
+
+    def _run_proposals(self, sampled, rows, drafts, next_pos, tables, num_proposing: int):
+        tokens, self.kv_pool.caches = self.counter.call(
+            "draft_propose", self._propose, self.state, self.kv_pool.caches, sampled, rows, drafts, next_pos, tables,
+            np.int32(num_proposing), self._greedy(tables.shape[0]), np.int32(self.k if num_proposing else 0),
+            num_fixed=2)
+        return tokens
 
     # The jitted functions -------------------------------------------------------------------------
     def _forward(self, state, kv_caches, input_ids, md):
