@@ -12,6 +12,7 @@ from jpaged.sample.rejection_sampler import leading_matches
 from jpaged.spec_decode import SpeculativeConfig
 from jpaged.spec_decode.ngram_proposer import NgramProposer
 from test_models_paper import gpt2_dir, opt_dir  # noqa: F401 (fixtures)
+from test_sampler_stats import fixed_logits_dir  # noqa: F401 (fixture)
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -204,3 +205,30 @@ def test_tensor_parallel_two_devices(llama_dir):
     llm = LLM(path, tensor_parallel_size=2, speculative_config=NGRAM, **settings)
     assert [outputs(llm, prompts, p) for p in params] == expected
     assert llm.get_metrics()["spec_decode_num_accepted_tokens"] > 0
+
+
+# Sampling statistics with speculation on (the harness of test_sampler_stats.py) ---------------------------
+@pytest.fixture(scope="module")
+def spec_stats_llm(fixed_logits_dir):
+    from test_sampler_stats import N
+    return LLM(fixed_logits_dir, num_kv_blocks=3 * N, block_size=16, max_model_len=64, max_num_seqs=N,
+               max_num_batched_tokens=4 * N, dtype="float32",
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
+
+
+@pytest.mark.parametrize("setting", [
+    dict(temperature=1.0),
+    dict(top_k=10, top_p=0.95, min_p=0.1, temperature=1.5),
+    dict(presence_penalty=-1.0, frequency_penalty=0.7, repetition_penalty=1.4, top_k=10),
+], ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+def test_sampled_distribution_is_the_targets(spec_stats_llm, setting):
+    """Every step's tokens fit the distribution the setting defines given the earlier tokens (a
+    fixed-logits model: Pearson's chi-square, seeded), while proposals are accepted."""
+    from test_sampler_stats import assert_fits, reference_probs, sample_tokens
+
+    before = spec_metrics(spec_stats_llm)["spec_decode_num_accepted_tokens"]
+    tokens = sample_tokens(spec_stats_llm, max_tokens=4, seed=91, **setting)
+    for step in range(4):
+        expected = sum(reference_probs(history=row[:step], **setting) for row in tokens)
+        assert_fits(tokens[:, step], expected, f"{setting} step {step}")
+    assert spec_metrics(spec_stats_llm)["spec_decode_num_accepted_tokens"] > before + 20
