@@ -232,3 +232,28 @@ def test_sampled_distribution_is_the_targets(spec_stats_llm, setting):
         expected = sum(reference_probs(history=row[:step], **setting) for row in tokens)
         assert_fits(tokens[:, step], expected, f"{setting} step {step}")
     assert spec_metrics(spec_stats_llm)["spec_decode_num_accepted_tokens"] > before + 20
+
+
+# Ahead-of-time compilation -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("whole_step", [False, True], ids=["layer_pieces", "whole_step"])
+def test_precompiled_verification_compiles_nothing_while_serving(llama_dir, monkeypatch, whole_step):
+    """Verification steps take their shapes from the step buckets (rows up to max_num_seqs * (1 + k)):
+    after ``precompile`` none compiles, on the CPU's layer pieces and as one whole jitted step (the
+    TPU/GPU path), with a draft model too."""
+    from jpaged.runner import model_runner
+
+    if whole_step:
+        monkeypatch.setattr(model_runner.LayerPieces, "of", classmethod(lambda cls, model: None))
+    path = llama_dir[0]
+    spec = NGRAM if whole_step else {"method": "draft_model", "model": path, "num_speculative_tokens": 2}
+    llm = LLM(path, precompile=True, num_kv_blocks=64, max_model_len=128, block_size=8, max_num_batched_tokens=32,
+              max_num_seqs=4, speculative_config=spec)
+    assert max(llm.llm_engine.runner.buckets.row_buckets(32)) > 4  # verification rows of 4 sequences
+    compiled = llm.get_metrics()["num_compilations"]
+    rng = np.random.default_rng(4)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=int(n), ignore_eos=True)
+              for i, n in enumerate(rng.integers(4, 16, 6))]
+    outs = llm.generate(repetitive_prompts(4, rng.integers(1, 20, 6)), params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
+    assert llm.get_metrics()["spec_decode_num_accepted_tokens"] > 0
+    assert llm.get_metrics()["num_compilations"] == compiled
