@@ -113,8 +113,12 @@ def test_prometheus_exposes_the_counters():
 
 
 # Greedy: transformers' tokens, every model family --------------------------------------------------------
-@pytest.mark.parametrize("model_fixture,mode", [("llama_dir", "recompute"), ("llama_dir", "swap"),
-                                                ("opt_dir", "recompute"), ("gpt2_dir", "swap")])
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("model_fixture,mode", [("llama_dir", "recompute"), pytest.param("llama_dir", "swap", marks=SLOW),
+                                                pytest.param("opt_dir", "recompute", marks=SLOW),
+                                                pytest.param("gpt2_dir", "swap", marks=SLOW)])
 def test_greedy_tokens_equal_transformers_through_preemption(request, model_fixture, mode):
     path, hf_model = request.getfixturevalue(model_fixture)
     llm = LLM(path, block_size=8, num_kv_blocks=28, max_model_len=256, max_num_batched_tokens=64,
@@ -165,7 +169,8 @@ def outputs(llm, prompts, params):
              for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("spec", [NGRAM, {"method": "draft_model", "model": "SELF", "num_speculative_tokens": 3}],
+@pytest.mark.parametrize("spec", [NGRAM, pytest.param({"method": "draft_model", "model": "SELF",
+                                                        "num_speculative_tokens": 3}, marks=SLOW)],
                          ids=["ngram", "draft"])
 def test_every_setting_gives_the_outputs_of_no_speculation(llama_dir, spec):
     """Stops mid-acceptance (stop strings, stop tokens, max_tokens, max_model_len), seeded sampling
@@ -195,6 +200,7 @@ def test_every_setting_gives_the_outputs_of_no_speculation(llama_dir, spec):
     assert outputs(llm, prompts[:2], params[:2]) == expected[:2]
 
 
+@SLOW
 def test_tensor_parallel_two_devices(llama_dir):
     path = llama_dir[0]
     prompts = repetitive_prompts(2, [9, 33, 18])
@@ -217,9 +223,9 @@ def spec_stats_llm(fixed_logits_dir):
 
 
 @pytest.mark.parametrize("setting", [
-    dict(temperature=1.0),
     dict(top_k=10, top_p=0.95, min_p=0.1, temperature=1.5),
-    dict(presence_penalty=-1.0, frequency_penalty=0.7, repetition_penalty=1.4, top_k=10),
+    pytest.param(dict(temperature=1.0), marks=SLOW),
+    pytest.param(dict(presence_penalty=-1.0, frequency_penalty=0.7, repetition_penalty=1.4, top_k=10), marks=SLOW),
 ], ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
 def test_sampled_distribution_is_the_targets(spec_stats_llm, setting):
     """Every step's tokens fit the distribution the setting defines given the earlier tokens (a
@@ -235,7 +241,7 @@ def test_sampled_distribution_is_the_targets(spec_stats_llm, setting):
 
 
 # Ahead-of-time compilation -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("whole_step", [False, True], ids=["layer_pieces", "whole_step"])
+@pytest.mark.parametrize("whole_step", [pytest.param(False, marks=SLOW), True], ids=["layer_pieces", "whole_step"])
 def test_precompiled_verification_compiles_nothing_while_serving(llama_dir, monkeypatch, whole_step):
     """Verification steps take their shapes from the step buckets (rows up to max_num_seqs * (1 + k)):
     after ``precompile`` none compiles, on the CPU's layer pieces and as one whole jitted step (the
@@ -257,3 +263,17 @@ def test_precompiled_verification_compiles_nothing_while_serving(llama_dir, monk
     assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
     assert llm.get_metrics()["spec_decode_num_accepted_tokens"] > 0
     assert llm.get_metrics()["num_compilations"] == compiled
+
+
+@SLOW
+def test_pallas_backend_with_speculation(llama_dir):
+    """The Pallas kernels (interpret mode on CPU): verification chunks through the ragged kernel, the
+    draft's proposal loop through the decode kernel; the xla backend's tokens."""
+    prompts = repetitive_prompts(5, [1, 20])
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = outputs(LLM(llama_dir[0], num_kv_blocks=24, max_model_len=128, block_size=8), prompts, params)
+    for spec in (NGRAM, {"method": "draft_model", "model": llama_dir[0], "num_speculative_tokens": 2}):
+        llm = LLM(llama_dir[0], attention_backend="pallas", num_kv_blocks=24, max_model_len=128, block_size=8,
+                  max_num_batched_tokens=32, speculative_config=spec)
+        assert outputs(llm, prompts, params) == expected
+        assert llm.get_metrics()["spec_decode_num_drafts"] > 0

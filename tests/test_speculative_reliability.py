@@ -44,5 +44,5 @@ class SpecEngineMachine(base.EngineMachine):
 
 
 TestSpecEngineMachine = SpecEngineMachine.TestCase
-TestSpecEngineMachine.settings = settings(max_examples=4, stateful_step_count=20, deadline=None,
+TestSpecEngineMachine.settings = settings(max_examples=3, stateful_step_count=20, deadline=None,
                                           suppress_health_check=list(HealthCheck))
