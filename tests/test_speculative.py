@@ -6,6 +6,7 @@ import pytest
 
 from conftest import assert_greedy_parity, random_prompts
 from jpaged import LLM, BeamSearchParams, SamplingParams
+from jpaged.sampling_params import StructuredOutputsParams
 from jpaged.core.kv_cache_manager import KVCacheManager
 from jpaged.core.request import Sequence
 from jpaged.sample.rejection_sampler import leading_matches
@@ -174,10 +175,11 @@ def outputs(llm, prompts, params):
                          ids=["ngram", "draft"])
 def test_every_setting_gives_the_outputs_of_no_speculation(llama_dir, spec):
     """Stops mid-acceptance (stop strings, stop tokens, max_tokens, max_model_len), seeded sampling
-    with filters and penalties, n > 1, bad words, logprobs: all equal to decoding one token a step."""
+    with filters and penalties, n > 1, bad words, logprobs, structured output: all equal to decoding
+    one token a step."""
     path = llama_dir[0]
     engine = dict(num_kv_blocks=96, max_model_len=128, block_size=8, max_num_batched_tokens=64, max_num_seqs=8)
-    prompts = repetitive_prompts(1, [7, 30, 12, 3, 21, 9, 15, 4])
+    prompts = repetitive_prompts(1, [7, 30, 12, 3, 21, 9, 15, 4, 6])
     base = LLM(path, **engine)
     first = outputs(base, prompts[:1], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0][0]
     params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2, stop=[first[1][5:7]]),
@@ -188,7 +190,9 @@ def test_every_setting_gives_the_outputs_of_no_speculation(llama_dir, spec):
               SamplingParams(temperature=0.7, seed=5, max_tokens=14, repetition_penalty=1.3, frequency_penalty=0.4,
                              bad_words=[first[1][8:10]] if len(first[1]) > 9 else None),
               SamplingParams(temperature=0.0, max_tokens=1),
-              SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)]  # ends at max_model_len
+              SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True),  # ends at max_model_len
+              SamplingParams(temperature=0.0, max_tokens=8,  # decodes without proposals
+                             structured_outputs=StructuredOutputsParams(choice=["spec", "decode"]))]
     expected = outputs(base, prompts, params)
     spec = dict(spec, model=path) if spec.get("model") == "SELF" else spec
     llm = LLM(path, speculative_config=spec, **engine)
