@@ -124,6 +124,7 @@ class EngineConfig:
     quantization: str | None = None   # weights: None (as stored / dtype), "int8" (per output channel,
                                       # made at load time), "gguf" (a GGUF file's Q8_0/Q4_0/Q4_1 kept)
     precompile: bool = False  # compile every step shape at start (servers): none compiles while serving
+    speculative_config: object = None  # a SpeculativeConfig, its dict or JSON text (docs/speculative.md)
 
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -136,4 +137,14 @@ class EngineConfig:
             _fail("EngineConfig", "data_parallel_size", self.data_parallel_size, "must be an integer >= 1")
         if not (isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1):
             _fail("EngineConfig", "tensor_parallel_size", self.tensor_parallel_size, "must be an integer >= 1")
+        from jpaged.spec_decode.config import SpeculativeConfig
+        self.speculative_config = SpeculativeConfig.of(self.speculative_config)
+        if self.speculative_config is not None:
+            method = self.speculative_config.method
+            if self.scheduler.num_scheduler_steps > 1:
+                raise ValueError(f"speculative_config (method={method!r}) and num_scheduler_steps="
+                                 f"{self.scheduler.num_scheduler_steps} (decode windows) do not combine: set one")
+            if self.cache.allocator != "paged":
+                raise ValueError(f"speculative_config (method={method!r}) needs allocator='paged', not "
+                                 f"allocator={self.cache.allocator!r} (a reservation baseline)")
 

@@ -91,3 +91,11 @@ def test_bench_model_is_built_without_torch_and_loads(tmp_path, monkeypatch):
     llm = LLM(path, num_kv_blocks=16, max_model_len=64)
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_speculative_benchmark_runs(llama_dir):
+    result = run_script("benchmark_speculative.py", f"--model={llama_dir[0]}", "--workloads=sharegpt", "--ks=2",
+                        "--num_requests=2", "--length_scale=0.03", "--nosingle_stream")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "sharegpt  batch  k=2" in result.stdout and "acceptance" in result.stdout
+    assert "OUTPUTS DIFFER" not in result.stdout and "load average" in result.stdout

@@ -25,7 +25,7 @@ PROMPT = [3, 0, 9, 3]
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
+def fixed_logits_dir(tmp_path_factory) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -42,7 +42,12 @@ def llm(tmp_path_factory):
         model.lm_head.weight.copy_(torch.tensor(LOGITS, dtype=torch.float32)[:, None].expand(V, 16) / 16)
     path = str(tmp_path_factory.mktemp("fixed_logits"))
     model.save_pretrained(path)
-    return LLM(path, num_kv_blocks=3 * N, block_size=16, max_model_len=64, max_num_seqs=N,
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(fixed_logits_dir):
+    return LLM(fixed_logits_dir, num_kv_blocks=3 * N, block_size=16, max_model_len=64, max_num_seqs=N,
                max_num_batched_tokens=2 * N, dtype="float32")
 
 

@@ -38,6 +38,8 @@ class KVCache(Protocol):
 
     def free(self, seq: Sequence) -> None: ...
 
+    def free_blocks_past(self, seq: Sequence, num_tokens: int) -> None: ...
+
     def take_pending_copies(self) -> list[tuple[int, int]]: ...
 
     def usage(self) -> float: ...
@@ -92,13 +94,15 @@ class KVCacheManager:
         """Grows each table to cover its next ``num_new_tokens`` slots, all or nothing, for tokens
         not sampled yet (a decode window): nothing is registered in the prefix cache (the next
         `allocate_slots` registers the blocks once their tokens are known), and no block is copied
-        (the window's first slot, already allocated this step, is the only one that can be shared).
+        (the step's own slots, allocated first, are the only ones that can be in a shared block:
+        a full block the step writes may already be shared by a prefix-cache hit of this step).
         """
-        need = sum(self._num_new_blocks(s, 0, num_new_tokens) for s in seqs)
+        need = sum(max(0, cdiv(s.num_computed_tokens + num_new_tokens, self.block_size) - len(self.block_table(s)))
+                   for s in seqs)
         if need > self.pool.num_free_blocks:
             return False
         for seq in seqs:
-            self._grow(seq, num_new_tokens)
+            self._grow(seq, num_new_tokens, copy_on_write=False)
         return True
 
     def _num_new_blocks(self, seq: Sequence, num_cached_tokens: int, num_new_tokens: int) -> int:
@@ -121,10 +125,10 @@ class KVCacheManager:
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += seq.num_computed_tokens
 
-    def _grow(self, seq: Sequence, num_new_tokens: int) -> list[int]:
+    def _grow(self, seq: Sequence, num_new_tokens: int, copy_on_write: bool = True) -> list[int]:
         table = self.block_tables.setdefault(seq.seq_id, [])
         new = []
-        shared = self._shared_block_written(seq, num_new_tokens)
+        shared = self._shared_block_written(seq, num_new_tokens) if copy_on_write else None
         if shared is not None:  # copy-on-write: the last writer keeps the original
             src, dst = table[shared], self.pool.allocate()
             self.pending_copies.append((src, dst))
@@ -163,6 +167,14 @@ class KVCacheManager:
         for block in reversed(self.block_tables.pop(seq.seq_id, [])):
             self.pool.decref(block)
         seq.block_hashes = []
+
+    def free_blocks_past(self, seq: Sequence, num_tokens: int) -> None:
+        """Keeps the blocks that hold the sequence's first ``num_tokens`` slots and returns the rest,
+        last first: blocks reserved for proposals that were rejected (speculative decoding)."""
+        table = self.block_tables.get(seq.seq_id, [])
+        keep = cdiv(num_tokens, self.block_size)
+        while len(table) > keep:
+            self.pool.decref(table.pop())
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []

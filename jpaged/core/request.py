@@ -29,6 +29,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # prefix-cache keys of its full blocks
     structured: object | None = None     # its structured_output.StructuredState (a constrained request)
     detokenizer: object | None = None    # its IncrementalDetokenizer (the output processor's)
+    draft_token_ids: list[int] = field(default_factory=list)  # the draft model's proposals for its next step
 
     @property
     def num_tokens(self) -> int:

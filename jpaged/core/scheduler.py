@@ -25,12 +25,16 @@ from jpaged.core.scheduler_output import (PromptLogprobRow, SampleRow, Scheduled
 from jpaged.core.swap_space import SwapSpace
 from jpaged.sample import beam_search, prompt_logprobs
 from jpaged.sample.sampling_batch import build_sampling_batch
+from jpaged.spec_decode.scheduling import Speculation
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCache, *, max_model_len: int,
-                 preemption_mode: str = "recompute", swap_capacity_blocks: int = 0, seed: int = 0):
+                 preemption_mode: str = "recompute", swap_capacity_blocks: int = 0, seed: int = 0,
+                 speculative_config=None):
         self.config = config
+        self.speculation = None if speculative_config is None else Speculation(speculative_config, kv_cache,
+                                                                               max_model_len)
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.preemption_mode = preemption_mode
@@ -93,8 +97,10 @@ class Scheduler:
             self.running.append(request)
             budget -= self._add(out, scheduled, request, n)
             num_seqs += len(seqs)
+        if self.speculation is not None:  # with what is left of the budget and the free blocks
+            self.speculation.add_proposals(out, {r.request_id: r for r in scheduled}, budget)
         out.block_copies = self.kv_cache.take_pending_copies()
-        rows = [(self.requests[out.seqs[r.seq_row].request_id], self._seq(out, r.seq_row), r.sample_index)
+        rows = [(self.requests[out.seqs[r.seq_row].request_id], self._row_seq(out, r), r.sample_index)
                 for r in out.sample_rows]
         out.sampling = build_sampling_batch(rows, self.seed)
         out.num_steps = self._plan_decode_window(out, scheduled)
@@ -103,6 +109,11 @@ class Scheduler:
     def _seq(self, out: SchedulerOutput, seq_row: int) -> Sequence:
         scheduled = out.seqs[seq_row]
         return next(s for s in self.requests[scheduled.request_id].seqs if s.seq_id == scheduled.seq_id)
+
+    def _row_seq(self, out: SchedulerOutput, row: SampleRow):
+        """The sequence a sample row samples after: with a verification row's proposals."""
+        seq = self._seq(out, row.seq_row)
+        return seq if not row.spec_index else Speculation.row_sequence(seq, out.seqs[row.seq_row], row.spec_index)
 
     def _plan_decode_window(self, out: SchedulerOutput, scheduled: list[Request]) -> int:
         """How many decode steps ``out`` runs on the device before the host sees a token (1: this
@@ -213,25 +224,39 @@ class Scheduler:
         sampled token per sample row (``result.tokens``, ``.logprobs``, ``.top_ids``,
         ``.top_logprobs``; ``.prompt_logprobs``). Returns each request of the step that is still
         scheduled with the sequences that received a token; finished requests are already freed.
-        Rows of sequences that ended in an earlier step of the window are skipped."""
+        Rows of sequences that ended in an earlier step of the window are skipped.
+
+        A step that verified proposals (``result.num_accepted``) is applied one position at a time
+        too (``step_index`` 0 .. ``result.num_token_steps - 1``): at position j a sequence takes
+        its row ``spec_index == j`` if it accepted at least j proposals (its K/V up to there is
+        valid), so stops and stop strings end it at exactly the token they would without
+        speculation; after its last token the blocks past its tokens are freed."""
+        accepted = result.num_accepted
+        if step_index == 0 and accepted is not None:
+            self._record_verification(out, result)
         if step_index == 0 and out.prompt_logprob_rows:
             rows = out.prompt_logprob_rows
             prompt_logprobs.record([(self.requests[out.seqs[r.seq_row].request_id], r.position, r.num_logprobs)
                                     for r in rows], [r.target for r in rows], result.prompt_logprobs)
+        position = 0 if accepted is None else step_index  # the spec_index of the rows applied now
+        takes = [accepted is None or accepted[i] >= step_index for i in range(len(out.seqs))]
         rows_by_request: dict[str, list[int]] = {}
         for i, row in enumerate(out.sample_rows):
-            rows_by_request.setdefault(out.seqs[row.seq_row].request_id, []).append(i)
-        seq_ids = {}
-        for scheduled in out.seqs:
-            seq_ids.setdefault(scheduled.request_id, set()).add(scheduled.seq_id)
+            if takes[row.seq_row] and row.spec_index == position:
+                rows_by_request.setdefault(out.seqs[row.seq_row].request_id, []).append(i)
+        seq_rows: dict[str, list[int]] = {}
+        for i, scheduled in enumerate(out.seqs):
+            if takes[i]:
+                seq_rows.setdefault(scheduled.request_id, []).append(i)
         advanced = []
         for sr in out.requests:
             request = self.requests.get(sr.request_id)
-            if request is None:  # ended in an earlier step of the window
-                continue
-            live = [s for s in request.seqs if s.seq_id in seq_ids[sr.request_id] and not s.finished]
-            for seq in live:
-                seq.num_computed_tokens += sr.num_new_tokens
+            if request is None or sr.request_id not in seq_rows:  # ended earlier in the window, or
+                continue                                           # has taken its accepted tokens
+            seq_ids = {out.seqs[i].seq_id for i in seq_rows[sr.request_id]}
+            live = [s for s in request.seqs if s.seq_id in seq_ids and not s.finished]
+            for seq in live:  # later positions of a window or a verification: one token each
+                seq.num_computed_tokens += sr.num_new_tokens if step_index == 0 else 1
             rows = [i for i in rows_by_request.get(sr.request_id, ())
                     if step_index == 0 or not self._seq(out, out.sample_rows[i].seq_row).finished]
             new = []
@@ -244,9 +269,20 @@ class Scheduler:
                               for i in rows],
                     [(int(result.tokens[i]), float(result.logprobs[i]), result.top_ids[i], result.top_logprobs[i])
                      for i in rows])
+            if accepted is not None:  # a sequence's last token of the step: rejected slots go back
+                for i in seq_rows[sr.request_id]:
+                    if accepted[i] == step_index:
+                        self.speculation.rollback(out.seqs[i], self._seq(out, i))
             self._free_finished(request)
             advanced.append((request, new))
         return advanced
+
+    def _record_verification(self, out: SchedulerOutput, result) -> None:
+        """Acceptance stats, and the draft model's proposals for each sequence's next step."""
+        for i, scheduled in enumerate(out.seqs):
+            if scheduled.request_id in self.requests:
+                drafts = None if result.draft_token_ids is None else result.draft_token_ids[i]
+                self.speculation.record(scheduled, self._seq(out, i), int(result.num_accepted[i]), drafts)
 
     def _append_samples(self, request: Request, rows: list[tuple[Sequence, int]], samples: list) -> list[Sequence]:
         """Appends a request's sampled tokens; forks the prompt sequence on its first n > 1 sample."""

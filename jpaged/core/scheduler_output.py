@@ -22,11 +22,17 @@ class ScheduledSeq:
     token_ids: list[int]
     start: int
     block_table: list[int]
+    # Speculative decoding (docs/speculative.md): proposals computed after ``token_ids``, each read
+    # back by a sample row (``spec_index`` 1, 2, ...); and the slots past the step's tokens that the
+    # draft model writes while it proposes for the next step. ``block_table`` covers both.
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_lookahead_tokens: int = 0
 
 
 @dataclass
 class SampleRow:
-    """A row of logits to sample from: the last token of ``seqs[seq_row]``.
+    """A row of logits to sample from: the last token of ``seqs[seq_row]``, or its proposal number
+    ``spec_index`` (1, 2, ...): the row that verifies the next proposal.
 
     The first sampling step of a request with ``n > 1`` has n rows on its one prompt sequence
     (``sample_index`` 0..n-1); the scheduler forks the request into its samples once they are drawn.
@@ -34,6 +40,7 @@ class SampleRow:
 
     seq_row: int
     sample_index: int
+    spec_index: int = 0
 
 
 @dataclass
@@ -77,7 +84,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
+        return sum(len(s.token_ids) + len(s.spec_token_ids) for s in self.seqs)
 
 
 @dataclass
@@ -91,3 +98,15 @@ class StepResult:
     prompt_logprobs: tuple | None = None  # (target logprobs, top ids, top logprobs) per prompt row
     prepare_seconds: float = 0.0  # host: copies, swaps, batch, metadata, sampling tensors
     device_seconds: float = 0.0   # dispatch until the sampled tokens are on the host
+    # Speculative decoding: per sequence of the step, the proposals it accepted (None: the step
+    # verified none), and the draft model's proposals for its next step ([seqs, k]; None: no draft)
+    num_accepted: np.ndarray | None = None
+    draft_token_ids: np.ndarray | None = None
+
+    @property
+    def num_token_steps(self) -> int:
+        """How many tokens a sequence can take from this result: 1, or 1 + the most proposals any
+        sequence accepted (`Scheduler.update_from_output` applies them one position at a time)."""
+        if self.num_accepted is None or not len(self.num_accepted):
+            return 1
+        return 1 + int(np.max(self.num_accepted))

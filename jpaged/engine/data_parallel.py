@@ -108,4 +108,10 @@ class DataParallelEngine:
             else:
                 merged[key] = sum(m[key] for m in per)
         merged["replicas"] = per
+        if "spec_decode_num_drafts" in merged:  # rates from the summed counts
+            from jpaged.spec_decode.stats import SpecDecodeStats
+            positions = [m["spec_decode_accepted_per_position"] for m in per]
+            summed = [sum(p[i] for p in positions if i < len(p)) for i in range(max(map(len, positions)))]
+            merged.update(SpecDecodeStats(merged["spec_decode_num_drafts"], merged["spec_decode_num_draft_tokens"],
+                                          merged["spec_decode_num_accepted_tokens"], summed).as_metrics())
         return merged

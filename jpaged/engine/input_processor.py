@@ -26,6 +26,7 @@ class InputProcessor:
     block_size: int
     scheduler_config: SchedulerConfig
     eos_token_ids: tuple[int, ...] = ()
+    speculative_config: object = None  # a SpeculativeConfig: beam search is refused with it
 
     @functools.cached_property
     def max_token_chars(self) -> int:
@@ -87,6 +88,9 @@ class InputProcessor:
             raise ValueError(f"sampling_params: expected SamplingParams or BeamSearchParams, "
                              f"got {type(params).__name__}")
         params.validate()
+        if isinstance(params, BeamSearchParams) and self.speculative_config is not None:
+            raise ValueError(f"BeamSearchParams: beam search does not run with speculative_config "
+                             f"(method={self.speculative_config.method!r}); serve it from an engine without")
         vocab = self.vocab_size
         params.validate_for_vocab(vocab, self.tokenizer)  # ids, logprobs, beam width, a tokenizer
         if isinstance(params, BeamSearchParams):

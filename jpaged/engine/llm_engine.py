@@ -34,7 +34,7 @@ class LLMEngine:
         self.kv_cache, self.scheduler, self.runner = parts.kv_cache, parts.scheduler, parts.runner
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
                                               self.num_blocks, config.cache.block_size, config.scheduler,
-                                              parts.eos_token_ids)
+                                              parts.eos_token_ids, config.speculative_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.peak_kv_cache_usage = 0.0
         self.num_failed_steps = 0
@@ -117,12 +117,13 @@ class LLMEngine:
         now = time.time()
         advanced: dict[str, Request] = {}  # each request once, with its state after the last step
         for i, result in enumerate(results):  # a decode window: its steps' tokens in order
-            updates = self.scheduler.update_from_output(out, result, step_index=i)
-            self.scheduler.stop_sequences(self.output_processor.process(updates))
-            for request, seqs in updates:
-                if request.metrics.first_token_time is None and seqs:
-                    request.metrics.first_token_time = now
-                advanced[request.request_id] = request
+            for j in range(result.num_token_steps):  # a verification: its positions in order
+                updates = self.scheduler.update_from_output(out, result, step_index=i + j)
+                self.scheduler.stop_sequences(self.output_processor.process(updates))
+                for request, seqs in updates:
+                    if request.metrics.first_token_time is None and seqs:
+                        request.metrics.first_token_time = now
+                    advanced[request.request_id] = request
         outputs = []
         for request in advanced.values():
             if request.finished:
@@ -145,9 +146,10 @@ class LLMEngine:
         self.num_failed_steps += 1
         requests = [self.requests[r.request_id] for r in out.requests if r.request_id in self.requests]
         outputs = [self._end_with_error(request, repr(error)) for request in requests]
-        if self.runner.kv_pool.lost():
+        if any(pool.lost() for pool in self.runner.kv_pools):
             self.scheduler.preempt_all()
-            self.runner.kv_pool.reset()
+            for pool in self.runner.kv_pools:
+                pool.reset()
         if hasattr(self.kv_cache.pool, "forget_free_blocks"):
             self.kv_cache.pool.forget_free_blocks()
         return outputs
@@ -190,4 +192,5 @@ class LLMEngine:
             "num_failed_steps": self.num_failed_steps,
             "block_size": self.config.cache.block_size,
             "attention_backend": self.attention_backend,
+            **({} if self.scheduler.speculation is None else self.scheduler.speculation.stats.as_metrics()),
         }

@@ -26,6 +26,7 @@ from jpaged.runner import kv_pool, precompile
 from jpaged.runner.buckets import StepBuckets
 from jpaged.runner.compile_counter import CompileCounter
 from jpaged.runner.model_runner import ModelRunner
+from jpaged.spec_decode.draft_proposer import DraftModelProposer, load_draft_model
 from jpaged.utils import cdiv, release_free_host_memory
 
 
@@ -160,9 +161,15 @@ def build(config: EngineConfig, model=None, tokenizer=None, devices=None) -> Eng
     max_model_len = sc.max_model_len or mc.max_position_embeddings
     eos = tuple(mc.eos_token_ids) or (
         (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ())
-    per_block = kv_pool.bytes_per_block(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                                        block_size=cc.block_size, dtype=kv_dtype,
-                                        tensor_parallel_size=config.tensor_parallel_size)
+    spec = config.speculative_config
+    draft = None
+    if spec is not None and spec.method == "draft_model":
+        draft = load_draft_model(spec, mc, dtype=dtype, attention_backend=backend, mesh=mesh,
+                                 max_model_len=max_model_len)
+    per_block = sum(kv_pool.bytes_per_block(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                                            block_size=cc.block_size, dtype=kv_dtype,
+                                            tensor_parallel_size=config.tensor_parallel_size)
+                    for c in [mc] + ([draft.config] if draft is not None else []))  # a draft's pool: same blocks
     num_blocks, source = num_kv_blocks(config, mesh, per_block, max_model_len)
     kv_name = jnp.dtype(kv_dtype).name
     if jpaged_kernels.quant.is_quantized(kv_dtype):
@@ -174,13 +181,23 @@ def build(config: EngineConfig, model=None, tokenizer=None, devices=None) -> Eng
     kv_cache = kv_cache_manager(config, num_blocks, max_model_len)
     swap_blocks = cc.swap_space_bytes // per_block if cc.preemption_mode == "swap" else 0
     scheduler = Scheduler(sc, kv_cache, max_model_len=max_model_len, preemption_mode=cc.preemption_mode,
-                          swap_capacity_blocks=swap_blocks, seed=config.seed)
+                          swap_capacity_blocks=swap_blocks, seed=config.seed,
+                          speculative_config=config.speculative_config)
     pool = kv_pool.KVPool(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
                           num_blocks=num_blocks, block_size=cc.block_size, dtype=kv_dtype, mesh=mesh,
                           num_host_blocks=swap_blocks, counter=CompileCounter())
-    buckets = StepBuckets(sc.max_num_seqs, max_model_len, cc.block_size, backend)
+    drafter = None
+    if draft is not None:
+        dc = draft.config
+        draft_pool = kv_pool.KVPool(num_layers=dc.num_layers, num_kv_heads=dc.num_kv_heads, head_dim=dc.head_dim,
+                                    num_blocks=num_blocks, block_size=cc.block_size, dtype=kv_dtype, mesh=mesh,
+                                    num_host_blocks=swap_blocks, counter=pool.counter)
+        drafter = DraftModelProposer(draft, draft_pool, mesh=mesh, num_speculative_tokens=spec.num_speculative_tokens,
+                                     attention_backend=backend)
+    buckets = StepBuckets(sc.max_num_seqs, max_model_len, cc.block_size, backend,
+                          num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens)
     runner = ModelRunner(model, pool, buckets, mesh=mesh, dtype=dtype, max_decode_window=sc.num_scheduler_steps,
-                         whole_step=mesh.devices.flat[0].platform in ("tpu", "gpu"))
+                         whole_step=mesh.devices.flat[0].platform in ("tpu", "gpu"), drafter=drafter)
     start = time.perf_counter()
     precompile.warm_up(runner, max_tokens=sc.max_num_batched_tokens, max_seqs=sc.max_num_seqs,
                        precompile=config.precompile, decode_windows=sc.num_scheduler_steps > 1)

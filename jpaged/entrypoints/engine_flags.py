@@ -9,7 +9,8 @@ from absl import flags
 ENGINE_FLAGS = ["dtype", "kv_cache_dtype", "block_size", "num_kv_blocks", "kv_cache_memory_bytes", "memory_utilization",
                 "max_num_seqs",
                 "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "preemption_mode",
-                "tensor_parallel_size", "attention_backend", "precompile", "quantization", "num_scheduler_steps"]
+                "tensor_parallel_size", "attention_backend", "precompile", "quantization", "num_scheduler_steps",
+                "speculative_config"]
 
 
 def define_engine_flags(flag_values=flags.FLAGS) -> None:
@@ -40,6 +41,10 @@ def define_engine_flags(flag_values=flags.FLAGS) -> None:
     flags.DEFINE_enum("quantization", None, ["int8", "gguf"],
                       "Weight-only quantization: int8 per output channel (any checkpoint), or gguf "
                       "(a .gguf file's Q8_0/Q4_0/Q4_1 blocks kept as stored); unset: weights as loaded", **f)
+    flags.DEFINE_string("speculative_config", None,
+                        'Speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+                        '\'{"method": "draft_model", "model": "path/or/preset", "num_speculative_tokens": 4}\' '
+                        "(docs/speculative.md)", **f)
 
 
 def llm_args(flag_values=flags.FLAGS) -> tuple[str | None, dict]:

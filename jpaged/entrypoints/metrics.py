@@ -43,6 +43,16 @@ class _EngineCollector:
                      s.get("prefix_cache_hits", 0))
         yield metric(CounterMetricFamily, "jpaged:num_preemptions", "Requests preempted.",
                      s.get("num_preemptions", 0))
+        if "spec_decode_num_drafts" in s:  # speculative decoding (vLLM's vllm:spec_decode_* counters)
+            for name, doc in (("num_drafts", "Sequence steps that verified proposals."),
+                              ("num_draft_tokens", "Proposed tokens verified."),
+                              ("num_accepted_tokens", "Proposed tokens accepted.")):
+                yield metric(CounterMetricFamily, f"jpaged:spec_decode_{name}", doc, s[f"spec_decode_{name}"])
+            yield metric(GaugeMetricFamily, "jpaged:spec_decode_acceptance_rate",
+                         "Accepted / proposed tokens since start (0-1).", s["spec_decode_acceptance_rate"])
+            yield metric(GaugeMetricFamily, "jpaged:spec_decode_mean_accepted_length",
+                         "Tokens per verifying sequence step: accepted proposals + 1.",
+                         s["spec_decode_mean_accepted_length"])
 
 
 class ServerMetrics:

@@ -22,6 +22,12 @@ class StepBuckets:
     max_model_len: int
     block_size: int
     attention_backend: str = "xla"
+    num_speculative_tokens: int = 0  # a verification step samples up to this many rows more per sequence
+
+    @property
+    def max_num_rows(self) -> int:
+        """The most sample rows a step can have: every sequence's, and a row per proposal."""
+        return self.max_num_seqs * (1 + self.num_speculative_tokens)
 
     @property
     def max_seqs_bucket(self) -> int:
@@ -58,4 +64,4 @@ class StepBuckets:
 
     def row_buckets(self, t_pad: int) -> list[int]:
         """Every padded sampled-row count a step of ``t_pad`` padded tokens can have."""
-        return sorted({self.rows(r, t_pad) for r in range(1, min(t_pad, self.max_num_seqs) + 1)})
+        return sorted({self.rows(r, t_pad) for r in range(1, min(t_pad, self.max_num_rows) + 1)})

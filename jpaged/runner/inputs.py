@@ -37,9 +37,10 @@ def prepare_inputs(out: SchedulerOutput, buckets: StepBuckets) -> StepInputs:
     input_ids, positions, slots, seq_lens, tables = [], [], [], [], []
     query_start_loc = [0]
     for seq in out.seqs:
-        n = len(seq.token_ids)
+        n = len(seq.token_ids) + len(seq.spec_token_ids)  # proposals are computed after the tokens
         pos = np.arange(seq.start, seq.start + n)
         input_ids.extend(seq.token_ids)
+        input_ids.extend(seq.spec_token_ids)
         positions.append(pos)
         slots.append(np.asarray(seq.block_table, np.int32)[pos // bs] * bs + pos % bs)
         seq_lens.append(seq.start + n)
@@ -51,7 +52,8 @@ def prepare_inputs(out: SchedulerOutput, buckets: StepBuckets) -> StepInputs:
     qsl[:s + 1] = query_start_loc
     ids = np.zeros(t_pad, np.int32)
     ids[:t] = input_ids
-    sampled = [query_start_loc[r.seq_row + 1] - 1 for r in out.sample_rows]
+    sampled = [query_start_loc[r.seq_row] + len(out.seqs[r.seq_row].token_ids) - 1 + r.spec_index
+               for r in out.sample_rows]
     rows = np.zeros(buckets.rows(len(sampled), t_pad), np.int32)
     rows[:len(sampled)] = sampled
     return StepInputs(

@@ -25,6 +25,7 @@ from jpaged.runner.decode_window import decode_window
 from jpaged.runner.inputs import prepare_inputs
 from jpaged.runner.kv_pool import KVPool
 from jpaged.runner.layer_pieces import LayerPieces
+from jpaged.sample.rejection_sampler import num_accepted
 from jpaged.sample.sampler import (prompt_logprob_tensors, prompt_logprobs, sample, sampling_tensors)
 from jpaged.sample.sampling_batch import SamplingBatch
 
@@ -68,11 +69,13 @@ class ModelRunner:
     """Owns the device side: parameters, the KV pool, and the jitted functions that use them."""
 
     def __init__(self, model, kv_pool: KVPool, buckets: StepBuckets, *, mesh, dtype, max_decode_window: int = 1,
-                 whole_step: bool = False):
+                 whole_step: bool = False, drafter=None):
         """``dtype``: the model's activations. ``whole_step``: one jitted function per step
         (accelerators), else layer pieces where the model has them. ``max_decode_window``: the most
-        decode steps one window runs."""
+        decode steps one window runs. ``drafter``: a `DraftModelProposer` (speculative decoding
+        with a draft model), run after each step."""
         self.config, self.dtype = model.config, dtype
+        self.drafter = drafter
         self.kv_pool, self.buckets, self.mesh = kv_pool, buckets, mesh
         self.counter = kv_pool.counter
         self.attention_backend = attention_backend_of(model)
@@ -95,6 +98,11 @@ class ModelRunner:
                                          block_size=buckets.block_size, vocab_size=self.config.vocab_size)
 
     @property
+    def kv_pools(self) -> list[KVPool]:
+        """The target's KV pool, and the draft model's."""
+        return [self.kv_pool] + ([self.drafter.kv_pool] if self.drafter is not None else [])
+
+    @property
     def num_compilations(self) -> int:
         """Distinct argument shapes the step's jitted pieces, the sampler and block moves have been
         called with: each is one compilation (or one load from the persistent compilation cache)."""
@@ -104,9 +112,10 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> list[StepResult]:
         """Runs the step (``out.num_steps`` of them for a decode window): one result per step."""
         start = time.perf_counter()
-        self.kv_pool.swap_out(out.swap_out)  # before anything this step writes into the freed blocks
-        self.kv_pool.swap_in(out.swap_in)
-        self.kv_pool.copy_blocks(out.block_copies)
+        for pool in self.kv_pools:  # a draft model's pool has the same block tables
+            pool.swap_out(out.swap_out)  # before anything this step writes into the freed blocks
+            pool.swap_in(out.swap_in)
+            pool.copy_blocks(out.block_copies)
         inputs = prepare_inputs(out, self.buckets)
         md = make_attention_metadata(self.attention_backend, positions=inputs.positions,
                                      slot_mapping=inputs.slot_mapping, query_start_loc=inputs.query_start_loc,
@@ -127,9 +136,13 @@ class ModelRunner:
             else:
                 prompt_lp = prompt_logprob_tensors(out.prompt_logprob_rows, inputs.prompt_logprob_indices)
                 sampled, prompt_out = self._run(inputs, md, sampling, prompt_lp)
+                drafts = None if self.drafter is None else self.drafter.propose(out, inputs, md, sampled[0])
                 results = [StepResult(*(np.asarray(a)[:n] for a in sampled),
                                       prompt_logprobs=None if prompt_out is None
                                       else tuple(np.asarray(a) for a in prompt_out))]
+                results[0].num_accepted = num_accepted(out, results[0].tokens)
+                if drafts is not None:
+                    results[0].draft_token_ids = np.asarray(drafts)[:len(out.seqs)]
         results[0].prepare_seconds, results[0].device_seconds = prepared - start, time.perf_counter() - prepared
         return results
 
@@ -177,10 +190,11 @@ class ModelRunner:
         return p.head(shell_state, x[logits_indices])[0], new_caches
 
     # Precompiling -----------------------------------------------------------------------------------------
-    def compile_heads(self, max_tokens: int, max_seqs: int) -> None:
+    def compile_heads(self, max_tokens: int, max_rows: int) -> None:
         """Compiles what follows the layers for every sampled-row bucket: taking the rows out of
         each token bucket, the logits, and the sampler (greedy, and sampled without penalties or
-        filters). A whole-step runner compiles these with its steps (`precompile`)."""
+        filters), and a draft model's proposal loop. A whole-step runner compiles these with its
+        steps (`precompile`)."""
         if self.pieces is None:
             return
         hidden_size = self.config.hidden_size
@@ -189,7 +203,9 @@ class ModelRunner:
                 x = np.zeros((t_pad, hidden_size), self.dtype)
                 for r_pad in self.buckets.row_buckets(t_pad):
                     self.counter.call("rows", self._take_rows, x, np.zeros(r_pad, np.int32))
-            for r_pad in self.buckets.token_buckets(max_seqs):
+                    if self.drafter is not None:
+                        self.drafter.compile(self.buckets.shape(t_pad, 1, 1), r_pad)
+            for r_pad in self.buckets.token_buckets(max_rows):
                 hidden = np.zeros((r_pad, hidden_size), self.dtype)
                 logits, _ = self.counter.call("head", self._head, self.pieces.shell_state, hidden, None, None,
                                               num_fixed=1)

@@ -5,8 +5,11 @@ A step's shapes depend only on its token count, sampled rows and sampling option
 (layer pieces) one step per token bucket, then the logits and sampler of each row count; a whole-step
 runner (TPU/GPU) compiles each token bucket with each of its row buckets, greedy and sampled, and on
 the pallas backend the decode-only step of each decode bucket too (it runs the decode kernel). The
-same plan is what `jpaged.engine.aot` compiles for a target without one. Dummy steps write into
-block 0, which is free: nothing reads it before its owner writes it.
+same plan is what `jpaged.engine.aot` compiles for a target without one. With speculative decoding
+a step samples up to ``max_num_seqs * (1 + num_speculative_tokens)`` rows
+(`StepBuckets.max_num_rows`): the row buckets past ``max_num_seqs`` are verification steps, and a
+draft model's calls compile with the steps they follow. Dummy steps write into block 0, which is
+free: nothing reads it before its owner writes it.
 """
 import time
 
@@ -21,7 +24,11 @@ def dummy_step(buckets: StepBuckets, num_tokens: int, num_rows: int = 1, greedy:
                decode_only: bool = False) -> SchedulerOutput:
     """A step of ``num_tokens`` tokens, all in block 0, sampling ``num_rows`` rows: ``num_rows - 1``
     one-token sequences, then the rest in as few sequences as ``max_model_len`` allows
-    (``decode_only``: ``num_tokens`` one-token sequences, each sampled)."""
+    (``decode_only``: ``num_tokens`` one-token sequences, each sampled). More rows than
+    ``max_num_seqs`` (speculative decoding) are verification rows: ``max_num_seqs`` sequences of
+    one token and up to ``num_speculative_tokens`` proposals."""
+    if num_rows > buckets.max_num_seqs:
+        return _dummy_verification(buckets, num_tokens, num_rows, greedy)
     if decode_only:
         lengths = [1] * num_tokens
         num_rows = num_tokens
@@ -34,6 +41,20 @@ def dummy_step(buckets: StepBuckets, num_tokens: int, num_rows: int = 1, greedy:
     return SchedulerOutput(seqs=seqs, sample_rows=[SampleRow(i, 0) for i in range(num_rows)], sampling=sampling)
 
 
+def _dummy_verification(buckets, num_tokens: int, num_rows: int, greedy: bool) -> SchedulerOutput:
+    """``num_rows`` sample rows over ``max_num_seqs`` sequences with proposals (tokens beyond the
+    rows lead the first sequence)."""
+    num_seqs = buckets.max_num_seqs
+    per_seq = [num_rows // num_seqs + (i < num_rows % num_seqs) for i in range(num_seqs)]
+    seqs, rows = [], []
+    for i, r in enumerate(per_seq):
+        n = r + (num_tokens - num_rows if i == 0 else 0)
+        seqs.append(ScheduledSeq("warmup", 0, [0] * (n - r + 1), 0, [0] * cdiv(n, buckets.block_size),
+                                 spec_token_ids=[0] * (r - 1)))
+        rows += [SampleRow(i, 0, j) for j in range(r)]
+    return SchedulerOutput(seqs=seqs, sample_rows=rows, sampling=plain_sampling(num_rows)[0 if greedy else 1])
+
+
 def step_plan(buckets: StepBuckets, *, max_tokens: int, max_seqs: int, whole_step: bool,
               precompile: bool = True) -> list[SchedulerOutput]:
     """The dummy steps that compile a runner's step shapes (without ``precompile``: the smallest)."""
@@ -43,7 +64,7 @@ def step_plan(buckets: StepBuckets, *, max_tokens: int, max_seqs: int, whole_ste
             plan.append(dummy_step(buckets, t_pad))
             continue
         for r_pad in buckets.row_buckets(t_pad):
-            plan += [dummy_step(buckets, t_pad, min(r_pad, max_seqs), greedy) for greedy in (True, False)]
+            plan += [dummy_step(buckets, t_pad, min(r_pad, buckets.max_num_rows), greedy) for greedy in (True, False)]
         if buckets.attention_backend == "pallas" and t_pad <= buckets.max_seqs_bucket:
             plan += [dummy_step(buckets, min(t_pad, max_seqs), greedy=greedy, decode_only=True)
                      for greedy in (True, False)]
@@ -60,7 +81,7 @@ def warm_up(runner: ModelRunner, *, max_tokens: int, max_seqs: int, precompile: 
                           whole_step=runner.pieces is None, precompile=precompile):
         runner.execute(step)
     if precompile:
-        runner.compile_heads(max_tokens, max_seqs)
+        runner.compile_heads(max_tokens, min(max_tokens, runner.buckets.max_num_rows))
         if decode_windows:
             runner.compile_decode_windows(max_seqs)
         logger.info("precompiled %d step shapes in %.1f s", runner.num_compilations, time.perf_counter() - start)
