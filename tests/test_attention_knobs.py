@@ -1,9 +1,9 @@
 """The jnp paged attention's ``sliding_window`` and ``logits_soft_cap`` against plain numpy loops.
 
 A query at position p sees keys ``p - window < j <= p`` (transformers' sliding-window mask), and a
-scaled score s becomes ``cap * tanh(s / cap)``. Every slot no query may read holds NaN, and the
-block-table entries of blocks wholly before a window point at a NaN block: reading either would
-show in the output.
+scaled score s becomes ``cap * tanh(s / cap)``. Every slot no query may see holds NaN, and the
+block-table entries of blocks wholly before a window point at a NaN block: one that reached the
+output unmasked would show.
 """
 import functools
 
