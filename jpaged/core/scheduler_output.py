@@ -15,13 +15,17 @@ from jpaged.sample.sampling_batch import SamplingBatch
 @dataclass
 class ScheduledSeq:
     """One sequence's part of a step: compute ``token_ids`` at positions ``start, start + 1, ...``,
-    writing their K/V through ``block_table`` (a copy that covers every slot the step writes)."""
+    writing their K/V through ``block_table`` (a copy that covers every slot the step writes).
+
+    ``group_block_tables``: the tables of KV-cache groups 1, 2, ... of a model with several (layers
+    of different sliding windows); entries a window has released are -1 (never read)."""
 
     request_id: str
     seq_id: int
     token_ids: list[int]
     start: int
     block_table: list[int]
+    group_block_tables: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

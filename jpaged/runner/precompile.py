@@ -22,7 +22,9 @@ def dummy_step(runner: ModelRunner, num_tokens: int, num_rows: int = 1, greedy: 
     rest = num_tokens - (num_rows - 1)
     per_seq = min(rest, buckets.max_model_len)
     lengths = [1] * (num_rows - 1) + [per_seq] * (rest // per_seq) + ([rest % per_seq] if rest % per_seq else [])
-    seqs = [ScheduledSeq("warmup", 0, [0] * n, 0, [0] * cdiv(n, buckets.block_size)) for n in lengths]
+    more = runner.kv_layout.num_groups - 1  # the tables of the other KV-cache groups: block 0 too
+    seqs = [ScheduledSeq("warmup", 0, [0] * n, 0, [0] * cdiv(n, buckets.block_size),
+                         [[0] * cdiv(n, buckets.block_size)] * more) for n in lengths]
     sampling = plain_sampling(num_rows)[0 if greedy else 1]
     return SchedulerOutput(seqs=seqs, sample_rows=[SampleRow(i, 0) for i in range(num_rows)], sampling=sampling)
 
