@@ -124,6 +124,8 @@ class EngineConfig:
     quantization: str | None = None   # weights: None (as stored / dtype), "int8" (per output channel,
                                       # made at load time), "gguf" (a GGUF file's Q8_0/Q4_0/Q4_1 kept)
     precompile: bool = False  # compile every step shape at start (servers): none compiles while serving
+    enable_expert_parallel: bool = False  # mixture-of-experts models: whole experts per device over the
+                                          # tensor_parallel_size devices (else each expert split like an MLP)
 
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -136,4 +138,6 @@ class EngineConfig:
             _fail("EngineConfig", "data_parallel_size", self.data_parallel_size, "must be an integer >= 1")
         if not (isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1):
             _fail("EngineConfig", "tensor_parallel_size", self.tensor_parallel_size, "must be an integer >= 1")
+        if not isinstance(self.enable_expert_parallel, bool):
+            _fail("EngineConfig", "enable_expert_parallel", self.enable_expert_parallel, "must be True or False")
 
