@@ -125,6 +125,8 @@ class EngineConfig:
                                       # made at load time), "gguf" (a GGUF file's Q8_0/Q4_0/Q4_1 kept)
     precompile: bool = False  # compile every step shape at start (servers): none compiles while serving
     speculative_config: object = None  # a SpeculativeConfig, its dict or JSON text (docs/speculative.md)
+    enable_expert_parallel: bool = False  # mixture-of-experts models: whole experts per device over the
+                                          # tensor_parallel_size devices (else each expert split like an MLP)
 
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -147,4 +149,6 @@ class EngineConfig:
             if self.cache.allocator != "paged":
                 raise ValueError(f"speculative_config (method={method!r}) needs allocator='paged', not "
                                  f"allocator={self.cache.allocator!r} (a reservation baseline)")
+        if not isinstance(self.enable_expert_parallel, bool):
+            _fail("EngineConfig", "enable_expert_parallel", self.enable_expert_parallel, "must be True or False")
 

@@ -21,6 +21,11 @@ KV pool then costs ``N / num_kv_heads`` times the unsharded pool in total (each 
 A weight whose split dimension does not divide by N is replicated (correct, more memory). GPT-2's
 fused ``c_attn`` is replicated: a contiguous split would mix q, k and v.
 
+Mixture-of-experts layers (`jpaged.models.moe`): the stacked experts (``experts.gate_proj`` /
+``up_proj`` ``[E, hidden, intermediate]``, ``down_proj`` ``[E, intermediate, hidden]``) split on
+the intermediate axis like a dense MLP, or, with expert parallelism, on the expert axis: each
+device then holds whole experts (`expert_specs`). The router is replicated.
+
 Quantized weights (`jpaged.models.quantized`) split the same way, their scales with them: an int8
 kernel keeps the ``[in, out]`` layout, its per-output-channel ``scale [out]`` is split like a
 column-parallel bias and replicated for a row-parallel layer (and for the token table, whose scale
@@ -39,6 +44,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 MODEL_AXIS = "model"
 COLUMN = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1", "c_fc", "lm_head"}
 ROW = {"o_proj", "down_proj", "out_proj", "fc2", "c_proj"}
+EXPERT_LEAVES = ("gate_proj", "up_proj", "down_proj")  # stacked experts [E, ...] of an `experts` module
 
 
 def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
@@ -62,10 +68,24 @@ _LEAF_SPECS = {
 _QUANT_LEAF_NDIM = {"scale": 1, "qweight": 3, "scales": 2, "mins": 2}
 
 
-def param_spec(path: tuple, shape: tuple, tp: int) -> P:
-    """The PartitionSpec of the parameter at attribute ``path`` (e.g. ("layers", 0, "mlp", "up_proj", "kernel"))."""
+def expert_specs(num_experts: int, intermediate: int, tp: int, expert_parallel: bool) -> tuple[P, P, P]:
+    """The specs of stacked experts (gate_proj, up_proj, down_proj): whole experts per device with
+    ``expert_parallel``, else the intermediate axis split; replicated where it does not divide."""
+    if expert_parallel and num_experts % tp == 0:
+        return (P(MODEL_AXIS, None, None),) * 3
+    if not expert_parallel and intermediate % tp == 0:
+        return P(None, None, MODEL_AXIS), P(None, None, MODEL_AXIS), P(None, MODEL_AXIS, None)
+    return (REPLICATED,) * 3
+
+
+def param_spec(path: tuple, shape: tuple, tp: int, expert_parallel: bool = False) -> P:
+    """The PartitionSpec of the parameter at attribute ``path`` (e.g. ("layers", 0, "mlp", "up_proj", "kernel"));
+    ``expert_parallel``: stacked experts split on the expert axis (`expert_specs`)."""
     names = [p for p in path if isinstance(p, str)]
     layer, leaf = (names[-2] if len(names) > 1 else ""), names[-1]
+    if layer == "experts" and leaf in EXPERT_LEAVES and len(shape) == 3:
+        intermediate = shape[1] if leaf == "down_proj" else shape[2]
+        return expert_specs(shape[0], intermediate, tp, expert_parallel)[EXPERT_LEAVES.index(leaf)]
     role = 0 if layer in COLUMN else 1 if layer in ROW else 2 if layer == "embed_tokens" else None
     if role is not None and leaf in _QUANT_LEAF_NDIM and len(shape) != _QUANT_LEAF_NDIM[leaf]:
         raise ValueError(f"weight {'.'.join(map(str, path))}: a quantization {leaf!r} of shape {tuple(shape)} "
@@ -109,14 +129,14 @@ def key_path_names(key_path) -> tuple:
     return names[:-1] if names and names[-1] in ("value", "raw_value") else names
 
 
-def shard_state(state, mesh: Mesh):
+def shard_state(state, mesh: Mesh, expert_parallel: bool = False):
     """Every leaf of a model state placed by the rules on ``mesh`` (no-op for leaves already there)."""
     tp = mesh.shape[MODEL_AXIS]
 
     local = all(d.process_index == jax.process_index() for d in mesh.devices.flat)
 
     def place(key_path, x):
-        target = NamedSharding(mesh, param_spec(key_path_names(key_path), x.shape, tp))
+        target = NamedSharding(mesh, param_spec(key_path_names(key_path), x.shape, tp, expert_parallel))
         if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(target, x.ndim):
             return x
         if local:  # device to device, never through the host

@@ -4,15 +4,27 @@ Nothing here touches the device. Copies that copy-on-write decides on are queued
 ``pending_copies``; the scheduler hands them to the model runner with the step that needs them,
 which sends them to the device in one batched ``copy_blocks`` call.
 
-Two calls make up admission: ``find_cached_blocks`` (pure: which cached blocks a new sequence
-could reuse) and ``allocate_slots`` (atomic: takes the cached blocks and every new block a step
-needs, for all of a request's sequences, or changes nothing and returns None).
+Two calls make up admission: ``find_cached_prefix`` (pure: which cached blocks a request's new
+sequences could reuse) and ``allocate_slots`` (atomic: takes the cached blocks and every new block
+a step needs, for all of a request's sequences, or changes nothing and returns None).
+
+Sliding windows: a manager whose layers all attend through a window of ``sliding_window`` keys
+releases the blocks every query has left behind. Before a step that starts at position p, the
+blocks wholly before ``p - sliding_window + 1`` go back to the pool and their table entries become
+`NULL_BLOCK` (the attention never reads them: `jpaged_kernels` start at the window's first block);
+the table keeps its length, so block i still holds positions ``i * block_size ...``. A prefix-cache
+hit then needs only the blocks in the window of the first new token (a cached prefix whose window
+blocks were evicted is a shorter hit, never a wrong one). `HybridKVCacheManager` runs one of these
+per KV-cache group over one shared pool.
 """
+from collections import Counter
 from typing import Protocol
 
 from jpaged.core.block_pool import BlockPool
 from jpaged.core.request import Sequence
 from jpaged.utils import cdiv
+
+NULL_BLOCK = -1  # a table entry a window has released (the runner sends block 0, never read)
 
 
 class KVCache(Protocol):
@@ -26,10 +38,12 @@ class KVCache(Protocol):
 
     def block_table(self, seq: Sequence) -> list[int]: ...
 
-    def find_cached_blocks(self, seq: Sequence, cache_salt: str | None) -> list[int]: ...
+    def group_block_tables(self, seq: Sequence) -> list[list[int]]: ...
+
+    def find_cached_prefix(self, seqs: list[Sequence], cache_salt: str | None) -> list: ...
 
     def allocate_slots(self, seqs: list[Sequence], num_new_tokens: int,
-                       cached_blocks: list[list[int]] | None = None,
+                       cached_blocks: list | None = None,
                        cache_salt: str | None = None) -> list[list[int]] | None: ...
 
     def reserve_slots(self, seqs: list[Sequence], num_new_tokens: int) -> bool: ...
@@ -49,12 +63,18 @@ class KVCache(Protocol):
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 share_forked_blocks: bool = True):
+                 share_forked_blocks: bool = True, *, sliding_window: int | None = None,
+                 pool: BlockPool | None = None, group: int = 0):
+        """``sliding_window``: the window of every layer this manager serves (None: global).
+        ``pool``, ``group``: a pool shared with the managers of other KV-cache groups, and this
+        one's index (which keeps its prefix-cache keys apart from theirs)."""
         self.block_size = block_size
         self.share_forked_blocks = share_forked_blocks  # False: forks copy every block (to measure sharing)
-        self.pool = BlockPool(num_blocks)
+        self.pool = pool if pool is not None else BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window, self.group = sliding_window, group
         self.block_tables: dict[int, list[int]] = {}
+        self.block_hashes: dict[int, list[int]] = {}  # seq_id -> prefix-cache keys of its full blocks
         self.pending_copies: list[tuple[int, int]] = []  # (src block, dst block)
         self.prefix_cache_queries = 0  # prompt tokens of admitted sequences
         self.prefix_cache_hits = 0     # of those, tokens found in the cache
@@ -62,28 +82,46 @@ class KVCacheManager:
     def block_table(self, seq: Sequence) -> list[int]:
         return self.block_tables.get(seq.seq_id, [])
 
+    def group_block_tables(self, seq: Sequence) -> list[list[int]]:
+        """The tables of the other KV-cache groups (none: this manager is the only one)."""
+        return []
+
     # Allocation ---------------------------------------------------------------------------------
     def allocate_slots(self, seqs: list[Sequence], num_new_tokens: int,
                        cached_blocks: list[list[int]] | None = None,
                        cache_salt: str | None = None) -> list[list[int]] | None:
         """Makes each sequence's table cover its next ``num_new_tokens`` slots, all or nothing.
 
-        ``cached_blocks`` (admission only, one list per sequence, from `find_cached_blocks`) become
+        ``cached_blocks`` (admission only, one list per sequence, from `find_cached_prefix`) become
         the start of the tables; the sequences then count them as computed. A shared, partly
         filled block about to be written is replaced by a copy (copy-on-write, queued). Blocks that
-        will be full once the step has run are registered in the prefix cache. Returns the newly
-        allocated blocks per sequence, or None (nothing changed) when the pool is short.
+        will be full once the step has run are registered in the prefix cache; blocks behind a
+        window are released. Returns the newly allocated blocks per sequence, or None (nothing
+        changed) when the pool is short.
         """
-        admitting = cached_blocks is not None
-        cached_blocks = cached_blocks or [[] for _ in seqs]
-        reviving = {b for blocks in cached_blocks for b in blocks if self.pool.ref_counts[b] == 0}
-        need = sum(self._num_new_blocks(s, len(c) * self.block_size, num_new_tokens)
-                   for s, c in zip(seqs, cached_blocks))
-        if need + len(reviving) > self.pool.num_free_blocks:
+        if self.blocks_needed(seqs, num_new_tokens, cached_blocks) > self.pool.num_free_blocks:
             return None
-        if admitting:  # every cached block is taken before any new one, which could evict it
+        return self.take_slots(seqs, num_new_tokens, cached_blocks, cache_salt)
+
+    def blocks_needed(self, seqs: list[Sequence], num_new_tokens: int,
+                      cached_blocks: list[list[int]] | None = None, copy_on_write: bool = True) -> int:
+        """Free blocks `take_slots` (``copy_on_write=False``: `take_reserved`) would consume: new
+        blocks and revived cached ones, less those the window releases."""
+        cached_blocks = cached_blocks or [[] for _ in seqs]
+        reviving = {b for blocks in cached_blocks for b in blocks if b != NULL_BLOCK and self.pool.ref_counts[b] == 0}
+        need = sum(self._num_new_blocks(s, len(c) * self.block_size, num_new_tokens, copy_on_write)
+                   for s, c in zip(seqs, cached_blocks))
+        released = Counter(b for s in seqs for b in self._behind_window(s))
+        return need + len(reviving) - sum(self.pool.ref_counts[b] == n for b, n in released.items())
+
+    def take_slots(self, seqs: list[Sequence], num_new_tokens: int, cached_blocks: list[list[int]] | None = None,
+                   cache_salt: str | None = None) -> list[list[int]]:
+        """`allocate_slots` once `blocks_needed` fits the pool."""
+        if cached_blocks is not None:  # every cached block is taken before any new one, which could evict it
             for seq, cached in zip(seqs, cached_blocks):
-                self._admit(seq, cached)
+                self._admit(seq, cached, cache_salt)
+        for seq in seqs:
+            self._release_behind_window(seq)
         new_blocks = []
         for seq in seqs:
             new_blocks.append(self._grow(seq, num_new_tokens))
@@ -97,29 +135,52 @@ class KVCacheManager:
         (the step's own slots, allocated first, are the only ones that can be in a shared block:
         a full block the step writes may already be shared by a prefix-cache hit of this step).
         """
-        need = sum(max(0, cdiv(s.num_computed_tokens + num_new_tokens, self.block_size) - len(self.block_table(s)))
-                   for s in seqs)
-        if need > self.pool.num_free_blocks:
+        if self.blocks_needed(seqs, num_new_tokens, copy_on_write=False) > self.pool.num_free_blocks:
             return False
-        for seq in seqs:
-            self._grow(seq, num_new_tokens, copy_on_write=False)
+        self.take_reserved(seqs, num_new_tokens)
         return True
 
-    def _num_new_blocks(self, seq: Sequence, num_cached_tokens: int, num_new_tokens: int) -> int:
+    def take_reserved(self, seqs: list[Sequence], num_new_tokens: int) -> None:
+        """`reserve_slots` once `blocks_needed` fits the pool."""
+        for seq in seqs:
+            self._release_behind_window(seq)
+            self._grow(seq, num_new_tokens, copy_on_write=False)
+
+    def _first_needed(self, num_computed_tokens: int) -> int:
+        """The first block a step that starts at ``num_computed_tokens`` reads (0 without a window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+
+    def _behind_window(self, seq: Sequence) -> list[int]:
+        """The blocks of the table that the next step's window has left behind."""
+        table = self.block_table(seq)
+        return [b for b in table[:self._first_needed(seq.num_computed_tokens)] if b != NULL_BLOCK]
+
+    def _release_behind_window(self, seq: Sequence) -> None:
+        table = self.block_table(seq)
+        for i in range(min(self._first_needed(seq.num_computed_tokens), len(table))):
+            if table[i] != NULL_BLOCK:
+                self.pool.decref(table[i])
+                table[i] = NULL_BLOCK
+
+    def _num_new_blocks(self, seq: Sequence, num_cached_tokens: int, num_new_tokens: int,
+                        copy_on_write: bool = True) -> int:
         computed = seq.num_computed_tokens + num_cached_tokens
         table_len = len(self.block_table(seq)) + num_cached_tokens // self.block_size
-        need = cdiv(computed + num_new_tokens, self.block_size) - table_len
-        if not num_cached_tokens and self._shared_block_written(seq, num_new_tokens) is not None:
+        need = cdiv(computed + num_new_tokens, self.block_size) - max(table_len, self._first_needed(computed))
+        if copy_on_write and not num_cached_tokens and self._shared_block_written(seq, num_new_tokens) is not None:
             need += 1
         return max(need, 0)
 
-    def _admit(self, seq: Sequence, cached: list[int]) -> None:
+    def _admit(self, seq: Sequence, cached: list[int], cache_salt: str | None) -> None:
         """A sequence with nothing computed starts from its cached blocks (maybe none)."""
         assert seq.num_computed_tokens == 0 and not self.block_table(seq)
         for block in cached:
-            self.pool.incref(block)
+            if block != NULL_BLOCK:
+                self.pool.incref(block)
         self.block_tables[seq.seq_id] = list(cached)
-        seq.block_hashes = [self.pool.block_key[b][0] for b in cached]
+        self.block_hashes[seq.seq_id] = self._hash_chain(seq, cache_salt, len(cached))
         seq.num_computed_tokens = len(cached) * self.block_size
         if self.enable_prefix_caching:
             self.prefix_cache_queries += seq.num_tokens
@@ -135,7 +196,11 @@ class KVCacheManager:
             self.pool.decref(src)
             table[shared] = dst
             new.append(dst)
+        first = self._first_needed(seq.num_computed_tokens)
         while len(table) < cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size):
+            if len(table) < first:  # a resumed sequence: nothing before its window comes back
+                table.append(NULL_BLOCK)
+                continue
             table.append(self.pool.allocate())
             new.append(table[-1])
         return new
@@ -144,29 +209,34 @@ class KVCacheManager:
         """Index of a partly filled block that is shared and about to be written, if any."""
         table = self.block_table(seq)
         first = seq.num_computed_tokens // self.block_size
-        if num_new_tokens > 0 and first < len(table) and self.pool.ref_counts[table[first]] > 1:
+        if (num_new_tokens > 0 and first < len(table) and table[first] != NULL_BLOCK
+                and self.pool.ref_counts[table[first]] > 1):
             return first
         return None
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent (reference counts go up)."""
         table = list(self.block_table(parent))
+        self.block_hashes[child.seq_id] = list(self.block_hashes.get(parent.seq_id, []))
         if not self.share_forked_blocks:
-            if len(table) > self.pool.num_free_blocks:
+            real = [b for b in table if b != NULL_BLOCK]
+            if len(real) > self.pool.num_free_blocks:
                 raise RuntimeError("share_forked_blocks=False: no room to copy a forked sequence's blocks")
-            copies = [(block, self.pool.allocate()) for block in table]
-            self.pending_copies += copies
-            self.block_tables[child.seq_id] = [dst for _, dst in copies]
+            copies = {block: self.pool.allocate() for block in real}
+            self.pending_copies += list(copies.items())
+            self.block_tables[child.seq_id] = [copies.get(b, NULL_BLOCK) for b in table]
             return
         for block in table:
-            self.pool.incref(block)
+            if block != NULL_BLOCK:
+                self.pool.incref(block)
         self.block_tables[child.seq_id] = table
 
     def free(self, seq: Sequence) -> None:
         """Returns the sequence's blocks, tail first, so a prefix outlives its tail in the cache."""
         for block in reversed(self.block_tables.pop(seq.seq_id, [])):
-            self.pool.decref(block)
-        seq.block_hashes = []
+            if block != NULL_BLOCK:
+                self.pool.decref(block)
+        self.block_hashes.pop(seq.seq_id, None)
 
     def free_blocks_past(self, seq: Sequence, num_tokens: int) -> None:
         """Keeps the blocks that hold the sequence's first ``num_tokens`` slots and returns the rest,
@@ -174,7 +244,9 @@ class KVCacheManager:
         table = self.block_tables.get(seq.seq_id, [])
         keep = cdiv(num_tokens, self.block_size)
         while len(table) > keep:
-            self.pool.decref(table.pop())
+            block = table.pop()
+            if block != NULL_BLOCK:
+                self.pool.decref(block)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
@@ -182,10 +254,23 @@ class KVCacheManager:
 
     # Prefix caching -------------------------------------------------------------------------------
     def _root_hash(self, cache_salt: str | None) -> int | None:
-        return None if cache_salt is None else hash(("salt", cache_salt))
+        root = None if cache_salt is None else hash(("salt", cache_salt))
+        return root if self.group == 0 else hash(("kv_cache_group", self.group, root))
 
-    def find_cached_blocks(self, seq: Sequence, cache_salt: str | None = None) -> list[int]:
-        """The longest run of cached full blocks that starts this sequence's tokens (changes nothing).
+    def _hash_chain(self, seq: Sequence, cache_salt: str | None, num_blocks: int) -> list[int]:
+        """The prefix-cache keys of the sequence's first ``num_blocks`` full blocks."""
+        bs, parent, keys = self.block_size, self._root_hash(cache_salt), []
+        for i in range(num_blocks):
+            parent = hash((parent, tuple(seq.token_ids[i * bs:(i + 1) * bs])))
+            keys.append(parent)
+        return keys
+
+    def find_cached_blocks(self, seq: Sequence, cache_salt: str | None = None,
+                           max_blocks: int | None = None) -> list[int]:
+        """The longest cached prefix of this sequence's tokens, at most ``max_blocks`` blocks, as the
+        table that would start from it (changes nothing). Globally attending layers need every
+        block of it; windowed ones only those the first new token's window reaches (the others
+        are `NULL_BLOCK`).
 
         The last token is always recomputed (its logits are needed), so at most
         ``(num_tokens - 1) // block_size`` blocks are found.
@@ -193,17 +278,31 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         bs, tokens = self.block_size, seq.token_ids
-        parent = self._root_hash(cache_salt)
-        blocks = []
-        for i in range((len(tokens) - 1) // bs):
+        limit = (len(tokens) - 1) // bs if max_blocks is None else min(max_blocks, (len(tokens) - 1) // bs)
+        parent, found = self._root_hash(cache_salt), []
+        for i in range(limit):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             block_hash = hash((parent, chunk))
-            block = self.pool.lookup(block_hash, parent, chunk)
-            if block is None:
+            found.append(self.pool.lookup(block_hash, parent, chunk))
+            if found[-1] is None and self.sliding_window is None:
                 break
-            blocks.append(block)
             parent = block_hash
-        return blocks
+        hit = len(found)
+        while hit and not all(b is not None for b in found[self._first_needed(hit * bs):hit]):
+            hit -= 1  # the longest prefix whose blocks in the next window are all cached
+        first = self._first_needed(hit * bs)
+        return [NULL_BLOCK] * first + found[first:hit]
+
+    def find_cached_prefix(self, seqs: list[Sequence], cache_salt: str | None = None) -> list[list[int]]:
+        """Cached blocks for each of a request's new sequences, all of one length (the fewest any
+        of them has), so that the request's sequences stay in step."""
+        limit = min((s.num_tokens - 1) // self.block_size for s in seqs)
+        while True:
+            found = [self.find_cached_blocks(s, cache_salt, limit) for s in seqs]
+            shortest = min(map(len, found))
+            if all(len(f) == shortest for f in found):
+                return found
+            limit = shortest
 
     def _cache_full_blocks(self, seq: Sequence, cache_salt: str | None, num_tokens: int) -> None:
         """Registers the blocks that hold ``num_tokens`` tokens once this step has run.
@@ -215,25 +314,31 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         bs, table = self.block_size, self.block_table(seq)
-        for i in range(len(seq.block_hashes), num_tokens // bs):
-            parent = seq.block_hashes[-1] if seq.block_hashes else self._root_hash(cache_salt)
+        hashes = self.block_hashes.setdefault(seq.seq_id, [])
+        for i in range(len(hashes), num_tokens // bs):
+            parent = hashes[-1] if hashes else self._root_hash(cache_salt)
             chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             block_hash = hash((parent, chunk))
-            self.pool.register(table[i], block_hash, parent, chunk)
-            seq.block_hashes.append(block_hash)
+            if table[i] != NULL_BLOCK:  # (a resumed sequence has none before its window)
+                self.pool.register(table[i], block_hash, parent, chunk)
+            hashes.append(block_hash)
 
     # Metrics ----------------------------------------------------------------------------------------
     def usage(self) -> float:
         return self.pool.num_used_blocks / self.pool.num_blocks
 
+    def filled_slots(self, seqs: list[Sequence], filled: dict[int, int]) -> dict[int, int]:
+        """Adds to ``filled`` (block -> slots holding tokens) the blocks of these sequences."""
+        for seq in seqs:
+            for i, block in enumerate(self.block_table(seq)):
+                if block != NULL_BLOCK:
+                    n = min(self.block_size, max(0, seq.num_computed_tokens - i * self.block_size))
+                    filled[block] = max(filled.get(block, 0), n)
+        return filled
+
     def utilization(self, seqs: list[Sequence]) -> float:
         """Token slots holding tokens / slots in allocated blocks (shared blocks counted once)."""
-        filled: dict[int, int] = {}
-        for seq in seqs:
-            table = self.block_table(seq)
-            for i, block in enumerate(table):
-                n = min(self.block_size, max(0, seq.num_computed_tokens - i * self.block_size))
-                filled[block] = max(filled.get(block, 0), n)
+        filled = self.filled_slots(seqs, {})
         if not filled:
             return 0.0
         return sum(filled.values()) / (len(filled) * self.block_size)

@@ -26,7 +26,6 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text: str = ""
-    block_hashes: list[int] = field(default_factory=list)  # prefix-cache keys of its full blocks
     structured: object | None = None     # its structured_output.StructuredState (a constrained request)
     detokenizer: object | None = None    # its IncrementalDetokenizer (the output processor's)
     draft_token_ids: list[int] = field(default_factory=list)  # the draft model's proposals for its next step
@@ -53,7 +52,7 @@ class Sequence:
                         index=index, max_tokens=self.max_tokens, num_computed_tokens=self.num_computed_tokens,
                         cumulative_logprob=self.cumulative_logprob,
                         logprobs=None if self.logprobs is None else list(self.logprobs),
-                        text=self.text, block_hashes=list(self.block_hashes),
+                        text=self.text,
                         structured=None if self.structured is None else self.structured.fork(),
                         detokenizer=copy.copy(self.detokenizer))
 

@@ -205,7 +205,6 @@ class ReservationKVCacheManager:
         self.num_slots_touched.pop(seq.seq_id, None)
         if res is not None:
             self.pool.free(*res)
-        seq.block_hashes = []
 
     def reserve_slots(self, seqs: list[Sequence], num_new_tokens: int) -> bool:
         """Declines decode windows: a window may run past a shorter request's reservation."""
@@ -217,6 +216,12 @@ class ReservationKVCacheManager:
 
     def find_cached_blocks(self, seq: Sequence, cache_salt: str | None = None) -> list[int]:
         return []  # no prefix caching: contiguous per-request buffers cannot share
+
+    def find_cached_prefix(self, seqs: list[Sequence], cache_salt: str | None = None) -> list[list[int]]:
+        return [[] for _ in seqs]
+
+    def group_block_tables(self, seq: Sequence) -> list[list[int]]:
+        return []  # one KV-cache group: models with sliding-window layers run on the paged allocator
 
     # Metrics --------------------------------------------------------------------------------------------
     def usage(self) -> float:

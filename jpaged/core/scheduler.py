@@ -92,8 +92,7 @@ class Scheduler:
             if cached is not None:
                 request.num_cached_tokens = max(request.num_cached_tokens, seqs[0].num_computed_tokens)
             if self.swap_space.is_swapped(request.request_id):
-                out.swap_in += self.swap_space.swap_in(
-                    request.request_id, {s.seq_id: self.kv_cache.block_table(s) for s in seqs})
+                out.swap_in += self.swap_space.swap_in(request.request_id, self._swap_tables(seqs))
             self.running.append(request)
             budget -= self._add(out, scheduled, request, n)
             num_seqs += len(seqs)
@@ -148,7 +147,7 @@ class Scheduler:
         if steps <= 1 or not self.kv_cache.reserve_slots(seqs, steps):
             return 1
         for scheduled_seq, seq in zip(out.seqs, seqs):
-            scheduled_seq.block_table = list(self.kv_cache.block_table(seq))
+            scheduled_seq.block_table, scheduled_seq.group_block_tables = self._tables(seq)
         return steps
 
     def _num_new_tokens(self, request: Request, budget: int, num_cached_tokens: int = 0) -> int:
@@ -165,9 +164,7 @@ class Scheduler:
         seqs = request.live_seqs
         if any(s.num_computed_tokens for s in seqs):
             return None
-        found = [self.kv_cache.find_cached_blocks(s, request.cache_salt) for s in seqs]
-        k = min(map(len, found))
-        return [blocks[:k] for blocks in found]
+        return self.kv_cache.find_cached_prefix(seqs, request.cache_salt)
 
     def _add(self, out: SchedulerOutput, scheduled: list[Request], request: Request, n: int) -> int:
         """Puts the request's sequences into the step's output; returns the tokens it uses."""
@@ -180,7 +177,7 @@ class Scheduler:
         for seq in seqs:
             start = seq.num_computed_tokens
             out.seqs.append(ScheduledSeq(request.request_id, seq.seq_id, seq.token_ids[start:start + n], start,
-                                         list(self.kv_cache.block_table(seq))))
+                                         *self._tables(seq)))
             row = len(out.seqs) - 1
             out.prompt_logprob_rows += [PromptLogprobRow(row, p, seq.token_ids[p + 1], k)
                                         for p in prompt_logprobs.wanted(request, seq, start, n)]
@@ -189,13 +186,22 @@ class Scheduler:
                 out.sample_rows += [SampleRow(row, index) for index in indices]
         return n * len(seqs)
 
+    # KV-cache groups: a model with sliding-window layers may keep several block tables per sequence
+    def _tables(self, seq: Sequence) -> tuple[list[int], list[list[int]]]:
+        """Copies of the sequence's block table and those of the other KV-cache groups."""
+        return list(self.kv_cache.block_table(seq)), [list(t) for t in self.kv_cache.group_block_tables(seq)]
+
+    def _swap_tables(self, seqs: list[Sequence]) -> dict[tuple[int, int], list[int]]:
+        """Every block table of these sequences, by (seq_id, KV-cache group)."""
+        return {(s.seq_id, g): table for s in seqs
+                for g, table in enumerate([self.kv_cache.block_table(s)] + self.kv_cache.group_block_tables(s))}
+
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """All of the request's blocks go back (to the host first, when swapping); it waits at the front."""
         seqs = request.live_seqs
         pairs = None
         if self.preemption_mode == "swap":
-            pairs = self.swap_space.swap_out(request.request_id, {s.seq_id: self.kv_cache.block_table(s)
-                                                                  for s in seqs})
+            pairs = self.swap_space.swap_out(request.request_id, self._swap_tables(seqs))
         if pairs is not None:
             out.swap_out += pairs
             self.num_swap_outs += 1

@@ -15,7 +15,10 @@ from jpaged.sample.sampling_batch import SamplingBatch
 @dataclass
 class ScheduledSeq:
     """One sequence's part of a step: compute ``token_ids`` at positions ``start, start + 1, ...``,
-    writing their K/V through ``block_table`` (a copy that covers every slot the step writes)."""
+    writing their K/V through ``block_table`` (a copy that covers every slot the step writes).
+
+    ``group_block_tables``: the tables of KV-cache groups 1, 2, ... of a model with several (layers
+    of different sliding windows); entries a window has released are -1 (never read)."""
 
     request_id: str
     seq_id: int
@@ -27,6 +30,7 @@ class ScheduledSeq:
     # draft model writes while it proposes for the next step. ``block_table`` covers both.
     spec_token_ids: list[int] = field(default_factory=list)
     num_lookahead_tokens: int = 0
+    group_block_tables: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jpaged.config import SchedulerConfig
+from jpaged.core.kv_cache_layout import KVCacheLayout
 from jpaged.core.request import Request
 from jpaged.sample import beam_search
 from jpaged.sample.structured_output import compile_grammar
@@ -44,6 +45,7 @@ class InputProcessor:
             raise ValueError(f"{field}: {len(text)} characters, more than max_model_len={self.max_model_len} "
                              f"tokens can hold (a token of this vocabulary is at most {self.max_token_chars} "
                              "characters)")
+    kv_layout: KVCacheLayout | None = None  # the KV-cache groups (None: one group of global layers)
 
     def tokenize(self, prompt) -> tuple[str | None, list[int], str | None]:
         """(text or None, token ids, cache_salt or None) of a prompt in any accepted form."""
@@ -112,7 +114,9 @@ class InputProcessor:
             raise ValueError(f"prompt: {n} tokens, but max_model_len={self.max_model_len} leaves no room "
                              f"to generate (the prompt must be shorter)")
         max_len = min(self.max_model_len, n + (params.max_tokens or self.max_model_len))
-        need = params.n * cdiv(max_len, self.block_size)
+        per_seq = cdiv(max_len, self.block_size) if self.kv_layout is None else self.kv_layout.max_blocks_per_seq(
+            max_len, self.block_size, sc.max_num_batched_tokens)  # windowed groups: their windows' blocks
+        need = params.n * per_seq
         if need > self.num_blocks:
             raise ValueError(f"num_kv_blocks={self.num_blocks}: too small for this request, which may need "
                              f"{need} blocks of {self.block_size} tokens ({params.n} x {max_len} tokens)")

@@ -3,9 +3,10 @@
 
 The platform decides the defaults (bfloat16 and the Pallas kernels on TPU/GPU, float32 and the
 ``xla`` backend with the C++ kernels on the CPU); the model is loaded (or taken as given) onto a
-mesh of ``tensor_parallel_size`` devices; the KV pool is sized from ``num_kv_blocks`` or a byte
-budget; then the KV cache manager, the scheduler and the model runner are built and the step
-shapes compiled.
+mesh of ``tensor_parallel_size`` devices; its layers' sliding windows decide the KV-cache groups
+(`kv_cache_layout`: one, or a group per window for a model that mixes them); the KV pool is sized
+from ``num_kv_blocks`` or a byte budget; then the KV cache manager, the scheduler and the model
+runner are built and the step shapes compiled.
 """
 import dataclasses
 import os
@@ -17,11 +18,14 @@ import jax.numpy as jnp
 import jpaged_kernels
 from jpaged import sharding
 from jpaged.config import DTYPES, CacheConfig, EngineConfig, SchedulerConfig, check_kv_cache_dtype
+from jpaged.core.hybrid_kv_cache_manager import HybridKVCacheManager
+from jpaged.core.kv_cache_layout import KVCacheLayout, kv_cache_layout
 from jpaged.core.kv_cache_manager import KVCacheManager
 from jpaged.core.scheduler import Scheduler
 from jpaged.loading import presets
 from jpaged.loading.model_loader import load_model
 from jpaged.logger import logger
+from jpaged.models.attention import attention_windows
 from jpaged.runner import kv_pool, precompile
 from jpaged.runner.buckets import StepBuckets
 from jpaged.runner.compile_counter import CompileCounter
@@ -43,7 +47,8 @@ class EngineParts:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     num_blocks: int
-    kv_cache: object         # KVCacheManager, or a reservation baseline
+    kv_layout: KVCacheLayout  # the KV-cache groups: which table and pool tensor each layer uses
+    kv_cache: object         # KVCacheManager (HybridKVCacheManager for several groups), or a baseline
     scheduler: Scheduler
     runner: ModelRunner
 
@@ -99,6 +104,9 @@ def load(config: EngineConfig, model, tokenizer, *, dtype, backend: str, mesh):
     """The model to serve and its tokenizer: loaded from ``config.model`` (default: the embedded
     GGUF), or the in-memory ``model`` as it is."""
     if model is not None:
+        if config.enable_expert_parallel != getattr(model, "expert_parallel", False):
+            raise ValueError(f"enable_expert_parallel={config.enable_expert_parallel}: an in-memory model is served "
+                             "as built (build a mixture-of-experts model with expert_parallel=True for it)")
         if config.quantization is not None:
             raise ValueError(f"quantization={config.quantization!r}: applies to a model loaded by path; "
                              "an in-memory model is served with its parameters as they are")
@@ -112,16 +120,17 @@ def load(config: EngineConfig, model, tokenizer, *, dtype, backend: str, mesh):
         from jpaged.loading.gguf_loader import default_model_path
         path = default_model_path()
     model, _, tokenizer = load_model(path, dtype=dtype, mesh=mesh, attention_backend=backend,
-                                     quantization=config.quantization)
+                                     quantization=config.quantization, expert_parallel=config.enable_expert_parallel)
     release_free_host_memory()
     return model, tokenizer
 
 
-def num_kv_blocks(config: EngineConfig, mesh, per_block: int, max_model_len: int) -> tuple[int, str]:
+def num_kv_blocks(config: EngineConfig, mesh, per_block: int, max_model_len: int,
+                  layout: KVCacheLayout | None = None) -> tuple[int, str]:
     """Pool size and where it came from: ``num_kv_blocks``, else a byte budget
     (``kv_cache_memory_bytes``, else the device's free memory x ``memory_utilization``, else on CPU
     ``cpu_default_bytes``), never more than ``max_num_seqs`` sequences of ``max_model_len`` tokens
-    could use."""
+    could use (windowed groups hold only their windows' blocks)."""
     cc, sc = config.cache, config.scheduler
     if cc.num_kv_blocks is not None:
         return cc.num_kv_blocks, "num_kv_blocks"
@@ -134,16 +143,25 @@ def num_kv_blocks(config: EngineConfig, mesh, per_block: int, max_model_len: int
             source = f"memory_utilization={cc.memory_utilization}"
         else:  # CPU: devices report no memory
             budget, source = cc.cpu_default_bytes, "the CPU default"
-    n = min(budget // per_block, sc.max_num_seqs * cdiv(max_model_len, cc.block_size))
+    per_seq = (layout.max_blocks_per_seq(max_model_len, cc.block_size, sc.max_num_batched_tokens) if layout
+               else cdiv(max_model_len, cc.block_size))
+    n = min(budget // per_block, sc.max_num_seqs * per_seq)
     if n < 1:
         raise ValueError(f"kv_cache_memory_bytes={budget}: too small for one KV block of {per_block} bytes")
     return int(n), source
 
 
-def kv_cache_manager(config: EngineConfig, num_blocks: int, max_model_len: int):
+def kv_cache_manager(config: EngineConfig, num_blocks: int, max_model_len: int, layout: KVCacheLayout | None = None):
     cc = config.cache
+    layout = layout or kv_cache_layout([None])
+    if cc.allocator == "paged" and layout.num_groups > 1:
+        return HybridKVCacheManager(layout, num_blocks, cc.block_size, cc.enable_prefix_caching, cc.share_forked_blocks)
     if cc.allocator == "paged":
-        return KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, cc.share_forked_blocks)
+        return KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, cc.share_forked_blocks,
+                              sliding_window=layout.group_windows[0])
+    if layout.num_groups > 1:
+        raise ValueError(f"allocator={cc.allocator!r}: the reservation baselines keep one block table per "
+                         "sequence; this model's layers need several (sliding-window and global layers)")
     from jpaged.core.reservation import ReservationKVCacheManager  # the paper's baselines
     return ReservationKVCacheManager(num_blocks, cc.block_size, mode=cc.allocator, max_model_len=max_model_len)
 
@@ -166,11 +184,17 @@ def build(config: EngineConfig, model=None, tokenizer=None, devices=None) -> Eng
     if spec is not None and spec.method == "draft_model":
         draft = load_draft_model(spec, mc, dtype=dtype, attention_backend=backend, mesh=mesh,
                                  max_model_len=max_model_len)
-    per_block = sum(kv_pool.bytes_per_block(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+    layout = kv_cache_layout(attention_windows(model))
+    if draft is not None and layout.group_windows[0] is not None:
+        raise ValueError(f"speculative_config (method='draft_model'): the draft model reads the block table of "
+                         f"the target's first KV-cache group, whose sliding window ({layout.group_windows[0]} "
+                         "tokens) releases blocks the draft still needs; use method='ngram' with this model")
+    per_block = sum(kv_pool.bytes_per_block(num_layers=n, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                                             block_size=cc.block_size, dtype=kv_dtype,
                                             tensor_parallel_size=config.tensor_parallel_size)
-                    for c in [mc] + ([draft.config] if draft is not None else []))  # a draft's pool: same blocks
-    num_blocks, source = num_kv_blocks(config, mesh, per_block, max_model_len)
+                    for c, n in [(mc, layout.num_tensors)] + ([(draft.config, draft.config.num_layers)]
+                                                              if draft is not None else []))  # a draft's pool: same blocks
+    num_blocks, source = num_kv_blocks(config, mesh, per_block, max_model_len, layout)
     kv_name = jnp.dtype(kv_dtype).name
     if jpaged_kernels.quant.is_quantized(kv_dtype):
         kv_name += f" + {jnp.dtype(jpaged_kernels.SCALE_DTYPE).name} scales"
@@ -178,12 +202,15 @@ def build(config: EngineConfig, model=None, tokenizer=None, devices=None) -> Eng
                 "per device; set num_kv_blocks or kv_cache_memory_bytes to change it", num_blocks, cc.block_size,
                 num_blocks * cc.block_size, num_blocks * per_block / 2**20, source, kv_name,
                 per_block // cc.block_size)
-    kv_cache = kv_cache_manager(config, num_blocks, max_model_len)
+    if not layout.is_trivial:
+        logger.info("KV cache groups (sliding window per group, None: global): %s; %d layers per block",
+                    list(layout.group_windows), layout.num_tensors)
+    kv_cache = kv_cache_manager(config, num_blocks, max_model_len, layout)
     swap_blocks = cc.swap_space_bytes // per_block if cc.preemption_mode == "swap" else 0
     scheduler = Scheduler(sc, kv_cache, max_model_len=max_model_len, preemption_mode=cc.preemption_mode,
                           swap_capacity_blocks=swap_blocks, seed=config.seed,
                           speculative_config=config.speculative_config)
-    pool = kv_pool.KVPool(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+    pool = kv_pool.KVPool(num_layers=layout.num_tensors, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
                           num_blocks=num_blocks, block_size=cc.block_size, dtype=kv_dtype, mesh=mesh,
                           num_host_blocks=swap_blocks, counter=CompileCounter())
     drafter = None
@@ -195,13 +222,15 @@ def build(config: EngineConfig, model=None, tokenizer=None, devices=None) -> Eng
         drafter = DraftModelProposer(draft, draft_pool, mesh=mesh, num_speculative_tokens=spec.num_speculative_tokens,
                                      attention_backend=backend)
     buckets = StepBuckets(sc.max_num_seqs, max_model_len, cc.block_size, backend,
-                          num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens)
+                          num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
+                          num_kv_groups=layout.num_groups)
     runner = ModelRunner(model, pool, buckets, mesh=mesh, dtype=dtype, max_decode_window=sc.num_scheduler_steps,
-                         whole_step=mesh.devices.flat[0].platform in ("tpu", "gpu"), drafter=drafter)
+                         whole_step=mesh.devices.flat[0].platform in ("tpu", "gpu"), drafter=drafter,
+                         kv_layout=layout)
     start = time.perf_counter()
     precompile.warm_up(runner, max_tokens=sc.max_num_batched_tokens, max_seqs=sc.max_num_seqs,
                        precompile=config.precompile, decode_windows=sc.num_scheduler_steps > 1)
     logger.debug("warm-up took %.1f s", time.perf_counter() - start)
     return EngineParts(mesh=mesh, dtype=dtype, kv_cache_dtype=kv_dtype, attention_backend=backend, model_config=mc,
                        tokenizer=tokenizer, max_model_len=max_model_len, eos_token_ids=eos, num_blocks=num_blocks,
-                       kv_cache=kv_cache, scheduler=scheduler, runner=runner)
+                       kv_layout=layout, kv_cache=kv_cache, scheduler=scheduler, runner=runner)

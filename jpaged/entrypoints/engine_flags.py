@@ -10,7 +10,7 @@ ENGINE_FLAGS = ["dtype", "kv_cache_dtype", "block_size", "num_kv_blocks", "kv_ca
                 "max_num_seqs",
                 "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "preemption_mode",
                 "tensor_parallel_size", "attention_backend", "precompile", "quantization", "num_scheduler_steps",
-                "speculative_config"]
+                "speculative_config", "enable_expert_parallel"]
 
 
 def define_engine_flags(flag_values=flags.FLAGS) -> None:
@@ -35,6 +35,8 @@ def define_engine_flags(flag_values=flags.FLAGS) -> None:
     flags.DEFINE_bool("enable_prefix_caching", None, "Automatic prefix caching", **f)
     flags.DEFINE_enum("preemption_mode", None, ["recompute", "swap"], "How to preempt when the pool is full", **f)
     flags.DEFINE_integer("tensor_parallel_size", None, "Devices to shard attention heads over", **f)
+    flags.DEFINE_bool("enable_expert_parallel", None, "Mixture-of-experts models: whole experts per device over "
+                      "the tensor_parallel_size devices", **f)
     flags.DEFINE_enum("attention_backend", None, ["auto", "pallas", "xla"], "Attention implementation", **f)
     flags.DEFINE_bool("precompile", None, "Compile every step shape at start, so that none compiles while "
                       "serving (the server's default)", **f)

@@ -45,9 +45,7 @@ def read_checkpoint(path: str, keep_gguf_blocks: bool = False):
 
 
 def _set(module, path, value):
-    for p in path[:-1]:
-        module = module[p] if isinstance(p, int) else getattr(module, p)
-    var = getattr(module, path[-1])
+    var = _variable(module, path)
     if tuple(var.shape) != tuple(value.shape):
         raise ValueError(f"weight {'.'.join(map(str, path))}: checkpoint shape {value.shape} "
                          f"!= model shape {tuple(var.shape)}")
@@ -81,18 +79,55 @@ def _target(model, path):
     return parent, path[-2], getattr(parent, path[-2])
 
 
+class _Stacks:
+    """Stacked parameters (a mixture's experts) filled one slice per checkpoint tensor: a
+    weight-map path that ends in an index names slice ``index`` of the parameter before it. A
+    parameter is placed once its last slice has arrived."""
+
+    def __init__(self, model, dtype, place):
+        self.model, self.dtype, self.place = model, dtype, place
+        self.filling: dict[tuple, tuple[np.ndarray, set]] = {}
+
+    def add(self, path: tuple, array: np.ndarray) -> None:
+        param_path, index = path[:-1], path[-1]
+        if param_path not in self.filling:
+            var = _variable(self.model, param_path)
+            self.filling[param_path] = (np.empty(tuple(var.shape), self.dtype), set())
+        buffer, done = self.filling[param_path]
+        if tuple(array.shape) != buffer.shape[1:]:
+            raise ValueError(f"weight {'.'.join(map(str, path))}: checkpoint shape {array.shape} "
+                             f"!= model shape {buffer.shape[1:]}")
+        buffer[index] = array
+        done.add(index)
+        if len(done) == buffer.shape[0]:
+            _set(self.model, param_path, self.place(param_path, buffer))
+            del self.filling[param_path]
+
+
+def _variable(module, path):
+    for p in path[:-1]:
+        module = module[p] if isinstance(p, int) else getattr(module, p)
+    return getattr(module, path[-1])
+
+
 def build_model(config: ModelConfig, weights, *, dtype, attention_backend: str, shard_fn=None,
-                quantization: str | None = None):
+                quantization: str | None = None, expert_parallel: bool = False):
     """Creates the model without initializing it, then fills every parameter from ``weights``.
 
     ``quantization="int8"``: every linear kernel and the token table are quantized on arrival
     (`quantize_int8`); ``"gguf"``: weights that arrive as ``GGUFBlocks`` keep their blocks (the
-    others load as float). A ``GGUFBlocks`` meant for anything else is dequantized to float."""
+    others load as float). A ``GGUFBlocks`` meant for anything else is dequantized to float.
+    ``expert_parallel``: a mixture-of-experts model places whole experts per device."""
     from jpaged.loading.gguf_loader import GGUFBlocks
 
     cls = model_class(config)
+    extra = {}
+    if expert_parallel:
+        if not getattr(cls, "HAS_EXPERTS", False):
+            raise ValueError(f"enable_expert_parallel=True: {config.architecture} has no experts")
+        extra["expert_parallel"] = True
     model = nnx.eval_shape(lambda: cls(config, dtype=dtype, attention_backend=attention_backend,
-                                       rngs=nnx.Rngs(0)))
+                                       rngs=nnx.Rngs(0), **extra))
     wanted = {name: (path, transpose) for path, name, transpose in model.hf_weight_map()}
     seen = set()
     canonical = getattr(model, "canonical_hf_name", lambda n: n)  # hub names -> save_pretrained names
@@ -100,11 +135,17 @@ def build_model(config: ModelConfig, weights, *, dtype, attention_backend: str, 
     def place(path, array):
         return jnp.asarray(array) if shard_fn is None else shard_fn(path, array)
 
+    stacks = _Stacks(model, dtype, place)
     for name, array in weights:
         name = canonical(name)
         if name not in wanted:
             continue
         path, transpose = wanted[name]
+        if isinstance(path[-1], int):  # one slice of a stacked parameter
+            array = array.dequantize() if isinstance(array, GGUFBlocks) else np.asarray(array)
+            stacks.add(path, (array.T if transpose else array).astype(dtype, copy=False))
+            seen.add(name)
+            continue
         parent, attr, module = _target(model, path) if len(path) > 1 else (None, None, None)
         linear = isinstance(module, nnx.Linear) and path[-1] == "kernel"
         table = isinstance(module, nnx.Embed) and path[-1] == "embedding" and attr in TOKEN_TABLES
@@ -173,14 +214,17 @@ def _repeat_kv_heads(name, array, kv_heads: int, factor: int):
     return sharding.repeat_kv_heads(name, np.asarray(array), kv_heads, factor)
 
 
-def load_model(path: str, *, dtype, attention_backend: str, mesh=None, quantization: str | None = None):
+def load_model(path: str, *, dtype, attention_backend: str, mesh=None, quantization: str | None = None,
+               expert_parallel: bool = False):
     """(model, config, tokenizer); with a mesh, every weight goes straight into its shards.
-    ``quantization``: None, "int8" or "gguf" (a .gguf file's blocks kept), see `build_model`."""
+    ``quantization``: None, "int8" or "gguf" (a .gguf file's blocks kept), see `build_model`;
+    ``expert_parallel``: a mixture's experts split whole over the mesh (`sharding.expert_specs`)."""
     check_quantization(quantization, path)
     tp = 1 if mesh is None else mesh.shape[sharding.MODEL_AXIS]
     if os.path.isdir(path) and orbax_checkpoint.is_orbax_checkpoint(path):
         _, config = orbax_checkpoint.read_manifest(path)
-        if quantization is None and sharding.kv_head_replication(config.num_heads, config.num_kv_heads, tp) == 1:
+        if (quantization is None and not expert_parallel
+                and sharding.kv_head_replication(config.num_heads, config.num_kv_heads, tp) == 1):
             # restored as saved (any NNX model class); the runner places it on the mesh
             return orbax_checkpoint.load_checkpoint(path, dtype=dtype, attention_backend=attention_backend)
     hf_config, weights, tokenizer = read_checkpoint(path, keep_gguf_blocks=quantization == "gguf")
@@ -192,7 +236,7 @@ def load_model(path: str, *, dtype, attention_backend: str, mesh=None, quantizat
         if factor > 1:
             weights = ((n, _repeat_kv_heads(n, a, kv_heads, factor)) for n, a in weights)
         shard_fn = lambda path, array: sharding.make_array(  # noqa: E731
-            mesh, sharding.param_spec(path, array.shape, tp), array)
+            mesh, sharding.param_spec(path, array.shape, tp, expert_parallel), array)
     model = build_model(config, weights, dtype=dtype, attention_backend=attention_backend, shard_fn=shard_fn,
-                        quantization=quantization)
+                        quantization=quantization, expert_parallel=expert_parallel)
     return model, config, tokenizer

@@ -63,7 +63,9 @@ def config_to_hf(config: ModelConfig) -> dict:
         tie_word_embeddings=config.tie_word_embeddings, attention_bias=config.attention_bias,
         hidden_act=config.hidden_act, bos_token_id=config.bos_token_id,
         eos_token_id=eos[0] if len(eos) == 1 else (eos or None))
-    text.pop("rope_parameters", None)  # rope_theta / rope_scaling above say it all
+    text.pop("rope_parameters", None)  # rope_theta / rope_scaling (/ rope_local_base_freq) say it all
+    if config.local_rope_theta is not None:
+        text["rope_local_base_freq"] = config.local_rope_theta
     return d
 
 

@@ -1,21 +1,35 @@
 """Model registry: Hugging Face architecture name -> jpaged NNX model class."""
+from jpaged.models.gemma import GemmaForCausalLM
 from jpaged.models.gpt2 import GPT2LMHeadModel
 from jpaged.models.llama import LlamaForCausalLM
+from jpaged.models.mixtral import MixtralForCausalLM
 from jpaged.models.model_config import ModelConfig
 from jpaged.models.opt import OPTForCausalLM
+from jpaged.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
 }
 
 
 def model_class(config: ModelConfig):
+    """The class that serves ``config``; a ValueError naming the config.json field when none can
+    (an unknown architecture, or a feature the class does not implement)."""
     try:
-        return MODEL_REGISTRY[config.architecture]
+        cls = MODEL_REGISTRY[config.architecture]
     except KeyError:
-        raise ValueError(f"architecture {config.architecture!r} is not supported; "
+        raise ValueError(f"architectures=[{config.architecture!r}]: not supported; "
                          f"supported: {sorted(MODEL_REGISTRY)}") from None
+    check = getattr(cls, "check_config", None)
+    if check is not None:
+        check(config)
+    return cls

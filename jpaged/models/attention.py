@@ -13,6 +13,17 @@ int8 / float8_e4m3fn pages and bfloat16 scales ``[num_kv_heads, num_blocks, bloc
 (token, kv head) (`jpaged_kernels.quant`); the write quantizes and attention dequantizes, on every
 backend. The cache tuple alone says which: a layer needs no setting of its own.
 
+A layer may have a ``sliding_window`` (a query at position p sees keys ``p - sliding_window < j
+<= p``) and a ``logits_soft_cap`` (each scaled score s becomes ``cap * tanh(s / cap)``, Gemma 2),
+passed to whichever attention function serves it; only the keys in a window are read, so its work
+and the blocks it needs follow the window, not the context.
+
+Models with several KV-cache groups (layers of different windows: `jpaged.core.kv_cache_layout`)
+give each group its own block table and slot mapping: ``group_block_tables`` and
+``group_slot_mappings`` hold those of groups 1, 2, ...; ``kv_layout`` says which group and pool
+tensor each layer uses (`run_layers` follows it), and ``for_group`` is the metadata a layer of a
+group reads.
+
 Backends:
 - ``xla`` (the CPU default): on a CPU with float32 pages, the C++ kernel
   `jpaged_kernels.cpu.paged_attention` (decode rows and 16-token prompt chunks, each reading
@@ -25,6 +36,7 @@ Backends:
 """
 import dataclasses
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -32,14 +44,15 @@ import numpy as np
 from flax import nnx
 
 import jpaged_kernels
+import jpaged_kernels.jnp.attention
 from jpaged import sharding
 from jpaged_kernels import cpu
 
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["slot_mapping", "block_tables", "seq_lens", "query_start_loc",
-                                "num_seqs", "positions"],
-                   meta_fields=["decode_only"])
+                                "num_seqs", "positions", "group_slot_mappings", "group_block_tables"],
+                   meta_fields=["decode_only", "kv_layout"])
 @dataclasses.dataclass
 class AttentionMetadata:
     """Per-step arrays (all int32). T = padded token count, S = padded sequence count, B = padded
@@ -52,6 +65,10 @@ class AttentionMetadata:
     decode_only (static): every real sequence has one query token, so the pallas backend runs the
       decode kernel. Only the pallas backend sets it: the xla path's run-time loops already skip an
       empty prefill part, so it needs no second compilation per bucket.
+    group_slot_mappings[G-1, T], group_block_tables[G-1, S, B]: those of KV-cache groups 1.. (None
+      with one group; group 0's are ``slot_mapping`` and ``block_tables``).
+    kv_layout (static): (group, pool tensor) of each layer, or None: layer i uses group 0 and
+      tensor i.
     """
 
     slot_mapping: jax.Array
@@ -60,11 +77,22 @@ class AttentionMetadata:
     query_start_loc: jax.Array
     num_seqs: jax.Array
     positions: jax.Array
+    group_slot_mappings: jax.Array | None = None
+    group_block_tables: jax.Array | None = None
     decode_only: bool = False
+    kv_layout: tuple[tuple[int, int], ...] | None = None
+
+    def for_group(self, group: int) -> "AttentionMetadata":
+        """The metadata a layer of KV-cache group ``group`` reads (its block tables and slots)."""
+        if group == 0:
+            return self
+        return dataclasses.replace(self, slot_mapping=self.group_slot_mappings[group - 1],
+                                   block_tables=self.group_block_tables[group - 1])
 
 
 def make_attention_metadata(backend: str, *, positions, slot_mapping, query_start_loc, seq_lens,
-                            block_tables, num_seqs) -> AttentionMetadata:
+                            block_tables, num_seqs, group_slot_mappings=None, group_block_tables=None,
+                            kv_layout=None) -> AttentionMetadata:
     """The step's metadata for ``backend`` from host arrays the runner already padded.
 
     Padding: slot -1, seq_len 0, query_start_loc repeating the real token count, block-table rows 0.
@@ -74,11 +102,22 @@ def make_attention_metadata(backend: str, *, positions, slot_mapping, query_star
     num_seqs = int(num_seqs)
     qsl = np.asarray(query_start_loc, np.int32)
     decode_only = backend == "pallas" and bool(np.all(np.diff(qsl[:num_seqs + 1]) == 1))
-    i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
+    i32 = lambda x: None if x is None else np.asarray(x, np.int32)  # noqa: E731
     return AttentionMetadata(slot_mapping=i32(slot_mapping), block_tables=i32(block_tables),
                              seq_lens=i32(seq_lens), query_start_loc=qsl,
                              num_seqs=np.array(num_seqs, np.int32), positions=i32(positions),
-                             decode_only=decode_only)
+                             group_slot_mappings=i32(group_slot_mappings),
+                             group_block_tables=i32(group_block_tables), decode_only=decode_only,
+                             kv_layout=None if kv_layout is None else tuple(map(tuple, kv_layout)))
+
+
+def attention_windows(model) -> list[int | None]:
+    """The sliding window (None: global) of each `PagedAttention` of ``model``, in layer order."""
+    windows = [node.sliding_window for _, node in nnx.iter_graph(model) if isinstance(node, PagedAttention)]
+    if len(windows) != model.config.num_layers:
+        raise ValueError(f"{type(model).__name__}: {len(windows)} PagedAttention layers for "
+                         f"num_layers={model.config.num_layers} (one per layer, each with its own KV cache)")
+    return windows
 
 
 def attention_backend_of(model) -> str:
@@ -89,21 +128,33 @@ def attention_backend_of(model) -> str:
     return "xla"
 
 
-def xla_paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale, **scales):
+def _set(**knobs) -> dict:
+    """The attention knobs that are set (the kernels' defaults stand for the others)."""
+    return {k: v for k, v in knobs.items() if v is not None}
+
+
+def xla_paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale, sliding_window=None,
+                        logits_soft_cap=None, **scales):
     """The C++ CPU kernel where it runs (float32 pages), else the jnp loops."""
-    if cpu.runs("paged_attention", q, k_pages, k_scales=scales.get("k_scales")):
+    knobs = _set(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    # TODO(cpu-speed): windowed / soft-capped layers too, through cpu.paged_attention(...,
+    # sliding_window=, logits_soft_cap=), once that branch is merged.
+    if not knobs and cpu.runs("paged_attention", q, k_pages, k_scales=scales.get("k_scales")):
         return cpu.paged_attention(q, k_pages, v_pages, md.block_tables, md.seq_lens, md.query_start_loc,
                                           md.num_seqs, scale=scale).astype(q.dtype)
     return jpaged_kernels.ragged_paged_attention_reference(
-        q, k_pages, v_pages, md.block_tables, md.seq_lens, md.query_start_loc, md.num_seqs, scale=scale, **scales)
+        q, k_pages, v_pages, md.block_tables, md.seq_lens, md.query_start_loc, md.num_seqs, scale=scale,
+        **knobs, **scales)
 
 
 def _interpret() -> bool:
     return jax.default_backend() not in ("tpu", "gpu")
 
 
-def pallas_paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale, **scales):
+def pallas_paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale, sliding_window=None,
+                           logits_soft_cap=None, **scales):
     """The decode kernel for a decode-only step, else the ragged kernel (interpret mode off TPU/GPU)."""
+    scales = dict(scales, **_set(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap))
     if md.decode_only:  # token s is sequence s's one query; rows past num_seqs are padding
         t, s = q.shape[0], md.seq_lens.shape[0]
         q_rows = q[:s] if t >= s else jnp.pad(q, ((0, s - t), (0, 0), (0, 0)))
@@ -121,7 +172,8 @@ def pallas_write_kv(k_pages, v_pages, k_new, v_new, slot_mapping, **scales):
 
 
 # name -> (write(k_pages, v_pages, k, v, slot_mapping, **scales), attend(q, k_pages, v_pages, md, *,
-# scale, **scales)); ``scales`` is ``k_scales=, v_scales=`` with 8-bit pages, else empty.
+# scale, sliding_window=None, logits_soft_cap=None, **scales)); ``scales`` is ``k_scales=, v_scales=``
+# with 8-bit pages, else empty.
 BACKENDS = {"xla": (jpaged_kernels.write_kv_reference, xla_paged_attention),
             "pallas": (pallas_write_kv, pallas_paged_attention)}
 
@@ -130,27 +182,40 @@ class PagedAttention(nnx.Module):
     """Writes K/V for this step's tokens into the paged cache and attends through block tables.
 
     Call with q [T, Hq, D], k and v [T, Hkv, D], this layer's ``(k_pages, v_pages)`` (or, 8-bit,
-    ``(k_pages, v_pages, k_scales, v_scales)``) and the step's `AttentionMetadata`; returns the
-    attention output [T, Hq, D] and the updated cache tuple.
+    ``(k_pages, v_pages, k_scales, v_scales)``) and the step's `AttentionMetadata` (its group's);
+    returns the attention output [T, Hq, D] and the updated cache tuple.
+
+    ``sliding_window``: a query at position p attends the keys ``p - sliding_window < j <= p`` only;
+    ``logits_soft_cap``: each scaled score s becomes ``cap * tanh(s / cap)``.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *, scale: float | None = None,
-                 backend: str = "xla"):
+                 backend: str = "xla", sliding_window: int | None = None, logits_soft_cap: float | None = None):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         if backend not in BACKENDS:
             raise ValueError(f"attention backend {backend!r}: expected one of {sorted(BACKENDS)}")
+        jpaged_kernels.jnp.attention.check_knobs(sliding_window, logits_soft_cap)
+        knobs = _set(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+        missing = [k for k in knobs if any(k not in inspect.signature(kernel).parameters for kernel in
+                                           (jpaged_kernels.paged_attention, jpaged_kernels.ragged_paged_attention))]
+        if backend == "pallas" and missing:
+            raise ValueError(f"attention_backend='pallas': these Pallas kernels have no {' or '.join(missing)} "
+                             "yet (a model with windowed or soft-capped attention runs with "
+                             "attention_backend='xla' until they do)")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.backend = backend
+        self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
 
     def __call__(self, q, k, v, kv_cache, md: AttentionMetadata):
         write, attend = BACKENDS[self.backend]
+        knobs = dict(sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
 
         def write_and_attend(q, k, v, kv_cache, md):
             scales_of = jpaged_kernels.quant.scales_of
             kv_cache = tuple(write(*kv_cache[:2], k, v, md.slot_mapping, **scales_of(kv_cache)))
-            return attend(q, *kv_cache[:2], md, scale=self.scale, **scales_of(kv_cache)), kv_cache
+            return attend(q, *kv_cache[:2], md, scale=self.scale, **knobs, **scales_of(kv_cache)), kv_cache
 
         if sharding.model_axis_size() > 1:  # each device attends with its own heads and pool slice
             heads, pool, replicated = sharding.HEADS, sharding.POOL, sharding.REPLICATED

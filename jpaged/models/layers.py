@@ -49,14 +49,24 @@ class LayerNorm(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
-        self.eps = eps
+    """RMS norm over the last axis (statistics in float32). ``unit_offset`` (Gemma): the weight is
+    stored as an offset from 1 and applied in float32, ``x * (1 + w)``."""
+
+    def __init__(self, dim: int, eps: float, dtype, unit_offset: bool = False):
+        self.weight = nnx.Param((jnp.zeros if unit_offset else jnp.ones)((dim,), dtype))
+        self.eps, self.unit_offset = eps, unit_offset
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.unit_offset:
+            return (x32 * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...] * x32.astype(x.dtype)
+
+
+def soft_cap(x, cap: float | None):
+    """``cap * tanh(x / cap)`` (Gemma 2's logit soft-capping); ``x`` itself when ``cap`` is None."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
 
 
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
@@ -88,15 +98,19 @@ def project(x, *layers):
     return tuple(layer(x) for layer in layers)
 
 
-def run_layers(layers, x, kv_caches, *args):
-    """``x`` through each layer with its own KV cache: ``layer(x, *args, kv_cache) -> (x, kv_cache)``
-    is called as ``layer(x, *args[:-1], kv_cache, args[-1])`` (the metadata comes last)."""
+def run_layers(layers, x, kv_caches, *args, kv_layout=None):
+    """``x`` through each layer with its KV cache: ``layer(x, *args, kv_cache) -> (x, kv_cache)`` is
+    called as ``layer(x, *args[:-1], kv_cache, args[-1])`` (the metadata comes last).
+
+    ``kv_layout`` (default: the metadata's, else one pool tensor per layer): (group, tensor) per
+    layer: the layer reads and updates ``kv_caches[tensor]`` (layers of different KV-cache groups
+    may share a tensor) with its group's metadata (`AttentionMetadata.for_group`)."""
     *extra, md = args
-    new_caches = []
-    for layer, kv_cache in zip(layers, kv_caches):
-        x, kv_cache = layer(x, *extra, kv_cache, md)
-        new_caches.append(kv_cache)
-    return x, new_caches
+    layout = kv_layout or getattr(md, "kv_layout", None) or [(0, i) for i in range(len(layers))]
+    caches = list(kv_caches)
+    for layer, (group, tensor) in zip(layers, layout):
+        x, caches[tensor] = layer(x, *extra, caches[tensor], md.for_group(group) if group else md)
+    return x, caches
 
 
 def tied_or_head_logits(embed: nnx.Embed, lm_head, hidden):
@@ -106,11 +120,13 @@ def tied_or_head_logits(embed: nnx.Embed, lm_head, hidden):
     return lm_head(hidden).astype(jnp.float32)
 
 
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """Inverse frequencies as transformers computes them (default, linear and llama3 scaling)."""
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> np.ndarray:
+    """Inverse frequencies as transformers computes them (default, linear and llama3 scaling);
+    ``local``: those of the sliding-window layers (their own base, ``local_rope_theta``, no scaling)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
-    scaling = config.rope_scaling
+    theta = config.local_rope_theta if local else config.rope_theta
+    inv_freq = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+    scaling = None if local else config.rope_scaling
     if scaling is None:
         return inv_freq.astype(np.float32)
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -127,6 +143,13 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32)
     raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3 are)")
+
+
+def rope_cos_sin(inv_freq, positions):
+    """cos and sin ``[T, head_dim]`` of each position (rotate-half layout, as `apply_rope` takes)."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
 
 
 def apply_rope(x, cos, sin):

@@ -1,5 +1,14 @@
-"""The model facts the engine needs, read from a Hugging Face `config.json` dictionary."""
+"""The model facts the engine needs, read from a Hugging Face `config.json` dictionary.
+
+Attention per layer: ``sliding_windows[i]`` is layer i's window (a query at position p sees keys
+``p - window < j <= p``) or None (global), from ``layer_types`` where the config has it, else by
+each architecture's own rule (Mistral and Mixtral: every layer; Qwen2/3: ``use_sliding_window``
+from ``max_window_layers`` on; Gemma 2: every other layer; Gemma 3: all but every
+``sliding_window_pattern``-th). A field the engine cannot honour is a ValueError naming it.
+"""
 from dataclasses import dataclass, field
+
+LAYER_TYPES = ("full_attention", "sliding_attention")  # the layer_types values jpaged runs
 
 
 @dataclass
@@ -22,7 +31,15 @@ class ModelConfig:
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    sliding_windows: tuple[int | None, ...] = ()  # per layer: its window, or None (global); () = all global
+    attn_logit_softcap: float | None = None     # Gemma 2: cap * tanh(score / cap) on attention scores
+    final_logit_softcap: float | None = None    # Gemma 2: the same on the output logits
+    query_pre_attn_scalar: float | None = None  # Gemma: attention scale = query_pre_attn_scalar ** -0.5
+    local_rope_theta: float | None = None       # Gemma 3: the rope base of the sliding-window layers
     hf: dict = field(default_factory=dict, repr=False)  # the raw config, for model-specific fields
+
+    def window_of(self, layer: int) -> int | None:
+        return self.sliding_windows[layer] if self.sliding_windows else None
 
     @classmethod
     def from_hf(cls, d: dict) -> "ModelConfig":
@@ -35,10 +52,7 @@ class ModelConfig:
         kv_heads = text.get("num_key_value_heads") or heads
         eos = text.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        rope = text.get("rope_scaling") or text.get("rope_parameters")
-        rope_theta = text.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
-        if rope is not None and rope.get("rope_type", rope.get("type")) in (None, "default"):
-            rope = None
+        rope, rope_theta, local_theta = _rope(text, model_type)
         return cls(
             architecture=arch, model_type=model_type,
             vocab_size=text["vocab_size"], hidden_size=hidden, num_layers=layers, num_heads=heads,
@@ -51,5 +65,87 @@ class ModelConfig:
             rope_theta=float(rope_theta), rope_scaling=rope,
             tie_word_embeddings=bool(text.get("tie_word_embeddings", model_type in ("gpt2", "opt"))),
             attention_bias=bool(text.get("attention_bias", model_type == "qwen2")),
-            hidden_act=text.get("hidden_act") or text.get("activation_function") or "silu",
-            bos_token_id=text.get("bos_token_id"), eos_token_ids=eos_ids, hf=d)
+            hidden_act=(text.get("hidden_act") or text.get("hidden_activation") or text.get("activation_function")
+                        or "silu"),
+            bos_token_id=text.get("bos_token_id"), eos_token_ids=eos_ids,
+            sliding_windows=_layer_windows(text, model_type, layers),
+            # transformers' Gemma 3 attention takes no soft cap, whatever its config says
+            attn_logit_softcap=None if model_type == "gemma3_text" else text.get("attn_logit_softcapping"),
+            final_logit_softcap=text.get("final_logit_softcapping"),
+            query_pre_attn_scalar=text.get("query_pre_attn_scalar"), local_rope_theta=local_theta, hf=d)
+
+
+def _is_default(rope: dict | None) -> bool:
+    return rope is None or rope.get("rope_type", rope.get("type")) in (None, "default")
+
+
+def _rope(text: dict, model_type: str) -> tuple[dict | None, float, float | None]:
+    """(rope scaling of the global layers or None, their rope base, the sliding layers' base or
+    None) from the classic fields (``rope_theta``, ``rope_scaling``, ``rope_local_base_freq``) or
+    transformers 5's ``rope_parameters`` (one dict, or one per layer type)."""
+    params = text.get("rope_parameters")
+    gemma3 = model_type == "gemma3_text"
+    if isinstance(params, dict) and set(params) & set(LAYER_TYPES):
+        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+        if not _is_default(local):
+            raise ValueError(f"rope_parameters.sliding_attention={local!r}: only the default rope is supported "
+                             "on sliding-window layers")
+        rope, theta, local_theta = full, full.get("rope_theta"), local.get("rope_theta")
+    else:
+        rope = text.get("rope_scaling") or params
+        theta = text.get("rope_theta") or (rope or {}).get("rope_theta")
+        local_theta = text.get("rope_local_base_freq")
+    if gemma3:  # transformers' defaults for Gemma 3 (global 1e6, local 1e4)
+        theta, local_theta = theta or 1_000_000.0, local_theta or 10_000.0
+    return (None if _is_default(rope) else rope), float(theta or 10000.0), \
+        (None if local_theta is None else float(local_theta))
+
+
+def _layer_windows(text: dict, model_type: str, num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window or None (the module docstring's rules)."""
+    window = text.get("sliding_window")
+    types = text.get("layer_types")
+    if types is not None:
+        bad = sorted(set(types) - set(LAYER_TYPES))
+        if bad:
+            raise ValueError(f"layer_types: {bad} not supported (jpaged runs {list(LAYER_TYPES)})")
+        if len(types) != num_layers:
+            raise ValueError(f"layer_types: {len(types)} entries for num_hidden_layers={num_layers}")
+    elif model_type in ("mistral", "mixtral"):
+        types = ["sliding_attention"] * num_layers
+    elif model_type in ("qwen2", "qwen3", "qwen3_moe"):
+        first = 0 if model_type == "qwen3_moe" else text.get("max_window_layers", num_layers)
+        sliding = bool(text.get("use_sliding_window"))
+        types = ["sliding_attention" if sliding and i >= first else "full_attention" for i in range(num_layers)]
+    elif model_type == "gemma2":
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+    elif model_type == "gemma3_text":
+        pattern = text.get("sliding_window_pattern", 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    else:
+        return (None,) * num_layers
+    if "sliding_attention" not in types or window is None:
+        if "sliding_attention" in types and text.get("layer_types") is not None:
+            raise ValueError("sliding_window=None: layer_types has sliding_attention layers but no window")
+        return (None,) * num_layers
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"sliding_window={window!r}: must be a positive integer")
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+# ModelConfig attribute -> the config.json field it comes from (for error messages)
+HF_FIELDS = {"sliding_windows": "sliding_window", "attn_logit_softcap": "attn_logit_softcapping",
+             "final_logit_softcap": "final_logit_softcapping", "query_pre_attn_scalar": "query_pre_attn_scalar",
+             "local_rope_theta": "rope_local_base_freq"}
+
+
+def require_unset(config: ModelConfig, model: str, *attributes: str) -> None:
+    """ValueError naming the config.json field of the first of ``attributes`` that the checkpoint
+    sets: ``model`` cannot honour it (a sliding window counts when any layer has one)."""
+    for name in attributes:
+        value = getattr(config, name)
+        if name == "sliding_windows":
+            value = next((w for w in value if w is not None), None)
+        if value is not None:
+            raise ValueError(f"{HF_FIELDS.get(name, name)}={value!r}: not supported by {model} "
+                             f"({config.architecture})")

@@ -45,15 +45,19 @@ class DenseCausalAttention(nnx.Module):
 
     Same call as `PagedAttention`: ``(q [T, Hq, D], k, v [T, Hkv, D], kv_cache, md) -> (out, kv_cache)``
     with ``T = B * L`` and ``md`` a `DenseMetadata`; ``kv_cache`` is passed through untouched.
+    ``sliding_window`` and ``logits_soft_cap`` as in `PagedAttention`.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *, scale: float | None = None):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *, scale: float | None = None,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5 if scale is None else scale
+        self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
 
     @classmethod
     def like(cls, layer: PagedAttention) -> "DenseCausalAttention":
-        return cls(layer.num_heads, layer.num_kv_heads, layer.head_dim, scale=layer.scale)
+        return cls(layer.num_heads, layer.num_kv_heads, layer.head_dim, scale=layer.scale,
+                   sliding_window=layer.sliding_window, logits_soft_cap=layer.logits_soft_cap)
 
     def __call__(self, q, k, v, kv_cache, md: DenseMetadata):
         b, l = md.batch_size, md.seq_len
@@ -62,7 +66,11 @@ class DenseCausalAttention(nnx.Module):
         q = q.reshape(b, l, hkv, group, d)
         k, v = k.reshape(b, l, hkv, d), v.reshape(b, l, hkv, d)
         s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) * self.scale
+        if self.logits_soft_cap is not None:
+            s = self.logits_soft_cap * jnp.tanh(s / self.logits_soft_cap)
         causal = jnp.tril(jnp.ones((l, l), bool))
+        if self.sliding_window is not None:
+            causal &= ~jnp.tril(jnp.ones((l, l), bool), -self.sliding_window)
         p = jax.nn.softmax(jnp.where(causal, s, -1e30), axis=-1)
         out = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return out.reshape(b * l, self.num_heads, d).astype(q.dtype), kv_cache

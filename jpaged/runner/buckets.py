@@ -23,6 +23,7 @@ class StepBuckets:
     block_size: int
     attention_backend: str = "xla"
     num_speculative_tokens: int = 0  # a verification step samples up to this many rows more per sequence
+    num_kv_groups: int = 1  # KV-cache groups: a block table (and slot mapping) each
 
     @property
     def max_num_rows(self) -> int:

@@ -11,13 +11,18 @@ from jpaged.sample.sampler import sample
 
 def next_decode_step(md, tokens, block_size: int):
     """A decode-only step's successor: each sequence's sampled token becomes its input at the next
-    position (token ``i`` of a decode-only step is sequence ``i``'s)."""
+    position (token ``i`` of a decode-only step is sequence ``i``'s), written through each KV-cache
+    group's table."""
     real = md.slot_mapping >= 0
     positions = md.positions + 1
-    blocks = jnp.take_along_axis(md.block_tables, (positions // block_size)[:, None], axis=1, mode="clip")[:, 0]
-    md = dataclasses.replace(md, positions=jnp.where(real, positions, 0),
-                             slot_mapping=jnp.where(real, blocks * block_size + positions % block_size, -1),
-                             seq_lens=jnp.where(md.seq_lens > 0, md.seq_lens + 1, 0))
+
+    def slots(block_tables):
+        blocks = jnp.take_along_axis(block_tables, (positions // block_size)[:, None], axis=1, mode="clip")[:, 0]
+        return jnp.where(real, blocks * block_size + positions % block_size, -1)
+
+    group_slots = None if md.group_block_tables is None else jax.vmap(slots)(md.group_block_tables)
+    md = dataclasses.replace(md, positions=jnp.where(real, positions, 0), slot_mapping=slots(md.block_tables),
+                             seq_lens=jnp.where(md.seq_lens > 0, md.seq_lens + 1, 0), group_slot_mappings=group_slots)
     return jnp.where(real, tokens[:real.shape[0]], 0), md
 
 

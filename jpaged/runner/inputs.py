@@ -2,7 +2,9 @@
 
 Tokens of every scheduled sequence are laid end to end (``query_start_loc`` marks where each
 sequence starts); padding tokens write nowhere (slot -1), padding sequences have length 0 and
-``query_start_loc`` repeating the real token count, block-table rows of padding are block 0.
+``query_start_loc`` repeating the real token count, block-table rows of padding are block 0, and
+so are the entries a sliding window released (-1 on the host: the attention never reads them).
+A model with several KV-cache groups gets a block table and slot mapping per group.
 """
 from dataclasses import dataclass
 
@@ -26,15 +28,27 @@ class StepInputs:
     num_seqs: int
     logits_indices: np.ndarray   # int32 [R]: the token row of each sample row (then 0s)
     prompt_logprob_indices: list[int]  # the token row of each prompt-logprob row
+    group_slot_mappings: np.ndarray | None = None  # int32 [G-1, T]: KV-cache groups 1.. (None: one group)
+    group_block_tables: np.ndarray | None = None   # int32 [G-1, S, B]
 
     @property
     def num_rows(self) -> int:
         return self.logits_indices.shape[0]
 
 
-def prepare_inputs(out: SchedulerOutput, buckets: StepBuckets) -> StepInputs:
+def _slots(table: list[int], positions: np.ndarray, block_size: int) -> np.ndarray:
+    blocks = np.asarray(table, np.int32)[positions // block_size]
+    if (blocks < 0).any():
+        raise RuntimeError("a step writes into a block its sliding window released")
+    return blocks * block_size + positions % block_size
+
+
+def prepare_inputs(out: SchedulerOutput, buckets: StepBuckets, num_groups: int = 1) -> StepInputs:
+    """The step's arrays; ``num_groups``: the model's KV-cache groups (each sequence brings a table
+    for every group after the first in ``group_block_tables``)."""
     bs = buckets.block_size
-    input_ids, positions, slots, seq_lens, tables = [], [], [], [], []
+    input_ids, positions, seq_lens = [], [], []
+    slots, tables = [[] for _ in range(num_groups)], [[] for _ in range(num_groups)]
     query_start_loc = [0]
     for seq in out.seqs:
         n = len(seq.token_ids) + len(seq.spec_token_ids)  # proposals are computed after the tokens
@@ -42,12 +56,18 @@ def prepare_inputs(out: SchedulerOutput, buckets: StepBuckets) -> StepInputs:
         input_ids.extend(seq.token_ids)
         input_ids.extend(seq.spec_token_ids)
         positions.append(pos)
-        slots.append(np.asarray(seq.block_table, np.int32)[pos // bs] * bs + pos % bs)
+        seq_tables = [seq.block_table] + list(seq.group_block_tables)
+        if len(seq_tables) != num_groups:
+            raise ValueError(f"sequence {seq.seq_id}: {len(seq_tables)} block tables for {num_groups} KV-cache groups")
+        for g, table in enumerate(seq_tables):
+            slots[g].append(_slots(table, pos, bs))
+            tables[g].append(np.maximum(np.asarray(table, np.int32), 0))
         seq_lens.append(seq.start + n)
-        tables.append(seq.block_table)
         query_start_loc.append(query_start_loc[-1] + n)
     t, s = len(input_ids), len(out.seqs)
-    t_pad, s_pad, b_pad = buckets.shape(t, s, max(len(tb) for tb in tables))
+    t_pad, s_pad, b_pad = buckets.shape(t, s, max(len(tb) for group in tables for tb in group))
+    slot_mappings = [np.concatenate(g + [np.full(t_pad - t, -1, np.int32)]).astype(np.int32) for g in slots]
+    block_tables = [pad_rows(g, s_pad, b_pad, fill=0) for g in tables]
     qsl = np.full(s_pad + 1, t, np.int32)
     qsl[:s + 1] = query_start_loc
     ids = np.zeros(t_pad, np.int32)
@@ -59,11 +79,13 @@ def prepare_inputs(out: SchedulerOutput, buckets: StepBuckets) -> StepInputs:
     return StepInputs(
         input_ids=ids,
         positions=np.concatenate(positions + [np.zeros(t_pad - t, np.int64)]).astype(np.int32),
-        slot_mapping=np.concatenate(slots + [np.full(t_pad - t, -1, np.int32)]).astype(np.int32),
+        slot_mapping=slot_mappings[0],
         query_start_loc=qsl,
         seq_lens=np.array(seq_lens + [0] * (s_pad - s), np.int32),
-        block_tables=pad_rows(tables, s_pad, b_pad, fill=0),
+        block_tables=block_tables[0],
         num_seqs=s,
         logits_indices=rows,
         prompt_logprob_indices=[query_start_loc[r.seq_row] + r.position - out.seqs[r.seq_row].start
-                                for r in out.prompt_logprob_rows])
+                                for r in out.prompt_logprob_rows],
+        group_slot_mappings=np.stack(slot_mappings[1:]) if num_groups > 1 else None,
+        group_block_tables=np.stack(block_tables[1:]) if num_groups > 1 else None)

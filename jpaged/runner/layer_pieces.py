@@ -10,6 +10,7 @@ import functools
 import jax
 from flax import nnx
 
+from jpaged.models.layers import run_layers
 from jpaged.sample.sampler import prompt_logprobs
 
 LAYERS_PER_CALL = 6  # one jitted call runs up to this many layers: compile cost vs dispatches
@@ -26,6 +27,9 @@ class LayerPieces:
     norm, applied per row), ``compute_logits`` and ``DECODER_LAYERS``, the name of its list of
     layers, each called ``layer(x, *extra, kv_cache, md) -> (x, kv_cache)``. Other models run
     whole (``__call__`` in one jit).
+
+    ``layer_fns[structure](layout, leaves_per_layer, kv_caches, x, extra, md)`` runs a call's layers:
+    ``layout`` gives each its (KV-cache group, index into ``kv_caches``), see `run_layers`.
     """
 
     def __init__(self, model):
@@ -56,12 +60,9 @@ class LayerPieces:
         def embed(shell_state, input_ids, positions):
             return nnx.merge(shell_graphdef, shell_state).embed_inputs(input_ids, positions)
 
-        def layers_fn(graphdef, treedef, leaves_per_layer, kv_caches, x, extra, md):
-            new_caches = []
-            for leaves, kv_cache in zip(leaves_per_layer, kv_caches):
-                x, kv_cache = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))(x, *extra, kv_cache, md)
-                new_caches.append(kv_cache)
-            return x, new_caches
+        def layers_fn(graphdef, treedef, layout, leaves_per_layer, kv_caches, x, extra, md):
+            layers = [nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)) for leaves in leaves_per_layer]
+            return run_layers(layers, x, kv_caches, *extra, md, kv_layout=layout)
 
         def head(shell_state, hidden, prompt_hidden=None, prompt_lp=None):
             """Final norm and logits of the sampled rows (and of the prompt-logprob rows)."""

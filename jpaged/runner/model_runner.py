@@ -8,6 +8,10 @@ Two ways to run a step: on TPU/GPU (and for models without `LayerPieces`) one ji
 the forward, the logits and the sampler (one executable per step shape); on the CPU the model runs
 piece by piece (embed, calls of up to six layers, rows, head, sampler), which keeps compiling a new
 shape cheap. Each layer's KV pool is donated to its call, so XLA updates it in place.
+
+KV-cache groups (`jpaged.core.kv_cache_layout`): the pool has a tensor per layer, or, for a model
+whose layers attend with different windows, fewer tensors that layers of different groups share;
+each layer reads its group's block table and slot mapping and its tensor (`kv_layout`).
 """
 import functools
 import time
@@ -18,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from jpaged import sharding
+from jpaged.core.kv_cache_layout import KVCacheLayout, kv_cache_layout
 from jpaged.core.scheduler_output import SchedulerOutput, StepResult
 from jpaged.models.attention import attention_backend_of, make_attention_metadata
 from jpaged.runner.buckets import StepBuckets
@@ -69,28 +74,32 @@ class ModelRunner:
     """Owns the device side: parameters, the KV pool, and the jitted functions that use them."""
 
     def __init__(self, model, kv_pool: KVPool, buckets: StepBuckets, *, mesh, dtype, max_decode_window: int = 1,
-                 whole_step: bool = False, drafter=None):
+                 whole_step: bool = False, drafter=None, kv_layout: KVCacheLayout | None = None):
         """``dtype``: the model's activations. ``whole_step``: one jitted function per step
         (accelerators), else layer pieces where the model has them. ``max_decode_window``: the most
         decode steps one window runs. ``drafter``: a `DraftModelProposer` (speculative decoding
-        with a draft model), run after each step."""
+        with a draft model), run after each step. ``kv_layout``: the KV-cache groups (default: one
+        group, a pool tensor per layer)."""
         self.config, self.dtype = model.config, dtype
         self.drafter = drafter
         self.kv_pool, self.buckets, self.mesh = kv_pool, buckets, mesh
+        self.kv_layout = kv_layout or kv_cache_layout([None] * model.config.num_layers)
         self.counter = kv_pool.counter
         self.attention_backend = attention_backend_of(model)
         graphdef, state = nnx.split(model)
-        self.graphdef, self.state = graphdef, sharding.shard_state(state, mesh)
+        self.graphdef = graphdef
+        self.state = sharding.shard_state(state, mesh, expert_parallel=getattr(model, "expert_parallel", False))
         replicated, pool = sharding.replicated(mesh), kv_pool.shardings()
         self._replicated = replicated
         self.pieces = None if whole_step else LayerPieces.of(nnx.merge(graphdef, self.state))  # a view
         if self.pieces is None:
             self._step = jit_whole_step(graphdef, mesh, pool)
-        else:  # embed, one jit per layer structure (shared by the layers), rows, head, sampler
+        else:  # embed, one jit per layer structure and layout (shared by the layers), rows, head, sampler
             self._embed = jax.jit(self.pieces.embed)
-            self._layers = {(group, end - first): jax.jit(self.pieces.layer_fns[group], donate_argnums=(1,),
-                                                          out_shardings=(replicated, pool[first:end]))
-                            for group, first, end in self.pieces.calls}
+            self._calls = [self._layer_call(*call) for call in self.pieces.calls]
+            self._layers = {key: jax.jit(functools.partial(self.pieces.layer_fns[structure], layout),
+                                         donate_argnums=(1,), out_shardings=(replicated, [pool[t] for t in tensors]))
+                            for key, structure, _, _, tensors, layout in self._calls}
             self._take_rows = jax.jit(_take_rows)  # apart from the head: it alone depends on both counts
             self._head = jax.jit(self.pieces.head, out_shardings=replicated)
             self._sample = jax.jit(sample)
@@ -101,6 +110,14 @@ class ModelRunner:
     def kv_pools(self) -> list[KVPool]:
         """The target's KV pool, and the draft model's."""
         return [self.kv_pool] + ([self.drafter.kv_pool] if self.drafter is not None else [])
+
+    def _layer_call(self, structure: int, first: int, end: int):
+        """(jit key, structure, first, end, pool tensors, layout) of a call of layers first..end-1:
+        the tensors it updates, and each layer's (group, index among them)."""
+        pairs = self.kv_layout.layers[first:end]
+        tensors = tuple(dict.fromkeys(t for _, t in pairs))
+        layout = tuple((g, tensors.index(t)) for g, t in pairs)
+        return (structure, end - first, layout), structure, first, end, tensors, layout
 
     @property
     def num_compilations(self) -> int:
@@ -116,11 +133,12 @@ class ModelRunner:
             pool.swap_out(out.swap_out)  # before anything this step writes into the freed blocks
             pool.swap_in(out.swap_in)
             pool.copy_blocks(out.block_copies)
-        inputs = prepare_inputs(out, self.buckets)
+        inputs = prepare_inputs(out, self.buckets, self.kv_layout.num_groups)
         md = make_attention_metadata(self.attention_backend, positions=inputs.positions,
                                      slot_mapping=inputs.slot_mapping, query_start_loc=inputs.query_start_loc,
                                      seq_lens=inputs.seq_lens, block_tables=inputs.block_tables,
-                                     num_seqs=inputs.num_seqs)
+                                     num_seqs=inputs.num_seqs, group_slot_mappings=inputs.group_slot_mappings,
+                                     group_block_tables=inputs.group_block_tables, kv_layout=self._md_layout)
         sampling = sampling_tensors(out.sampling, inputs.num_rows)
         n = len(out.sample_rows)
         prepared = time.perf_counter()
@@ -157,15 +175,14 @@ class ModelRunner:
         md = jax.device_put(md, self._replicated)  # once, not once per layer
         x, extra = self.counter.call("embed", self._embed, p.shell_state, inputs.input_ids, md.positions,
                                      num_fixed=1)
-        for group, count in self._layers:  # every call of one key has the same argument shapes
-            self.counter.note(f"layers{group}x{count}", x, extra, md)
-        caches = self.kv_pool.caches
-        new_caches = []
-        for group, first, end in p.calls:
-            x, layer_caches = self._layers[group, end - first](p.layer_leaves[first:end], caches[first:end], x,
-                                                               extra, md)
-            new_caches += layer_caches
-        self.kv_pool.caches = new_caches
+        for key in self._layers:  # every call of one key has the same argument shapes
+            self.counter.note("layers{}x{}{}".format(*key), x, extra, md)
+        caches = list(self.kv_pool.caches)
+        for key, _, first, end, tensors, _ in self._calls:
+            x, updated = self._layers[key](p.layer_leaves[first:end], [caches[t] for t in tensors], x, extra, md)
+            for t, cache in zip(tensors, updated):
+                caches[t] = cache
+        self.kv_pool.caches = caches
         hidden = self.counter.call("rows", self._take_rows, x, inputs.logits_indices)
         prompt_hidden = None if prompt_lp is None else self.counter.call("rows", self._take_rows, x,
                                                                          prompt_lp.indices)
@@ -174,6 +191,11 @@ class ModelRunner:
         return self.counter.call("sample", self._sample, logits, sampling), prompt_out
 
     # The jitted functions' parameters ------------------------------------------------------------------
+    @property
+    def _md_layout(self):
+        """The metadata's ``kv_layout`` (None for the one-group layout, the layers' default)."""
+        return None if self.kv_layout.is_trivial else self.kv_layout.layers
+
     def _params(self):
         return self.state if self.pieces is None else (self.pieces.shell_state, self.pieces.layer_leaves)
 
@@ -183,11 +205,13 @@ class ModelRunner:
             return whole_logits(self.graphdef, params, kv_caches, input_ids, md, logits_indices)
         p, (shell_state, layer_leaves) = self.pieces, params
         x, extra = p.embed(shell_state, input_ids, md.positions)
-        new_caches = []
-        for group, first, end in p.calls:
-            x, caches = p.layer_fns[group](layer_leaves[first:end], kv_caches[first:end], x, extra, md)
-            new_caches += caches
-        return p.head(shell_state, x[logits_indices])[0], new_caches
+        caches = list(kv_caches)
+        for _, structure, first, end, tensors, layout in self._calls:
+            x, updated = p.layer_fns[structure](layout, layer_leaves[first:end], [caches[t] for t in tensors], x,
+                                                extra, md)
+            for t, cache in zip(tensors, updated):
+                caches[t] = cache
+        return p.head(shell_state, x[logits_indices])[0], caches
 
     # Precompiling -----------------------------------------------------------------------------------------
     def compile_heads(self, max_tokens: int, max_rows: int) -> None:
@@ -218,10 +242,13 @@ class ModelRunner:
         penalties or filters)."""
         for rows in self.buckets.token_buckets(max_seqs):
             t_pad, s_pad, b_pad = self.buckets.shape(rows, rows, 1)
+            more = self.kv_layout.num_groups - 1
             md = make_attention_metadata(
                 self.attention_backend, positions=np.zeros(t_pad), slot_mapping=np.full(t_pad, -1),
                 query_start_loc=np.zeros(s_pad + 1), seq_lens=np.zeros(s_pad), num_seqs=0,
-                block_tables=np.zeros((s_pad, b_pad)))
+                block_tables=np.zeros((s_pad, b_pad)), kv_layout=self._md_layout,
+                group_slot_mappings=np.full((more, t_pad), -1) if more else None,
+                group_block_tables=np.zeros((more, s_pad, b_pad)) if more else None)
             for batch in plain_sampling(rows):
                 with jax.set_mesh(self.mesh):
                     _, self.kv_pool.caches = self.counter.call(

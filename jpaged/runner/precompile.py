@@ -36,7 +36,9 @@ def dummy_step(buckets: StepBuckets, num_tokens: int, num_rows: int = 1, greedy:
         rest = num_tokens - (num_rows - 1)
         per_seq = min(rest, buckets.max_model_len)
         lengths = [1] * (num_rows - 1) + [per_seq] * (rest // per_seq) + ([rest % per_seq] if rest % per_seq else [])
-    seqs = [ScheduledSeq("warmup", 0, [0] * n, 0, [0] * cdiv(n, buckets.block_size)) for n in lengths]
+    more = buckets.num_kv_groups - 1  # the tables of the other KV-cache groups: block 0 too
+    seqs = [ScheduledSeq("warmup", 0, [0] * n, 0, [0] * cdiv(n, buckets.block_size),
+                         group_block_tables=[[0] * cdiv(n, buckets.block_size)] * more) for n in lengths]
     sampling = plain_sampling(num_rows)[0 if greedy else 1]
     return SchedulerOutput(seqs=seqs, sample_rows=[SampleRow(i, 0) for i in range(num_rows)], sampling=sampling)
 
@@ -50,7 +52,8 @@ def _dummy_verification(buckets, num_tokens: int, num_rows: int, greedy: bool) -
     for i, r in enumerate(per_seq):
         n = r + (num_tokens - num_rows if i == 0 else 0)
         seqs.append(ScheduledSeq("warmup", 0, [0] * (n - r + 1), 0, [0] * cdiv(n, buckets.block_size),
-                                 spec_token_ids=[0] * (r - 1)))
+                                 spec_token_ids=[0] * (r - 1),
+                                 group_block_tables=[[0] * cdiv(n, buckets.block_size)] * (buckets.num_kv_groups - 1)))
         rows += [SampleRow(i, 0, j) for j in range(r)]
     return SchedulerOutput(seqs=seqs, sample_rows=rows, sampling=plain_sampling(num_rows)[0 if greedy else 1])
 

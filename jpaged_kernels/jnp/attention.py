@@ -21,6 +21,10 @@ Attention does work in proportion to each sequence's real context, not to the pa
   (``lax.while_loop``), so padding rows, an empty prefill part and unused block-table columns cost
   nothing, and none adds a shape to compile; sorted batches make each row's work track its own
   context, not the step's longest.
+* ``sliding_window`` (a query at position p sees keys ``p - sliding_window < j <= p``) starts
+  each chunk's loop at the block of its first visible key: blocks wholly before the window are
+  never read (their block-table entries may be anything), and the work follows the window, not
+  the context. ``logits_soft_cap`` turns each scaled score s into ``cap * tanh(s / cap)``.
 
 Layout (shared with the kernels):
     k_pages, v_pages: ``[num_kv_heads, num_blocks, block_size, head_dim]``.
@@ -50,7 +54,8 @@ DECODE_ROWS = 8          # decode rows per batch
 
 def _attend_chunks(out, q, k_pages, v_pages, tables, first_token, first_pos,
                    length, num_chunks, *, width, rows, pages, scale,
-                   k_scales=None, v_scales=None):
+                   k_scales=None, v_scales=None, sliding_window=None,
+                   logits_soft_cap=None):
     """Writes the attention of ``num_chunks`` query chunks into ``out``.
 
     Args:
@@ -66,6 +71,7 @@ def _attend_chunks(out, q, k_pages, v_pages, tables, first_token, first_pos,
       width: static chunk width (>= every length).
       rows: most chunks per batch; pages: blocks per online-softmax step.
       k_scales, v_scales: None, or the scales of 8-bit pages.
+      sliding_window, logits_soft_cap: as in `ragged_paged_attention_reference`.
 
     Returns:
       ``out`` with the chunks' rows set (float32).
@@ -92,6 +98,10 @@ def _attend_chunks(out, q, k_pages, v_pages, tables, first_token, first_pos,
         tokens = jnp.where(valid, first[:, None] + offsets, num_tokens)
         q_pos = pos0[:, None] + offsets                                # [R, W]
         kv_len = jnp.where(n > 0, pos0 + n, 0)                         # [R]
+        first_page = jnp.zeros_like(kv_len)  # each chunk from its first visible key's block
+        if sliding_window is not None:
+            first_page = jnp.where(n > 0, jnp.maximum(pos0 - sliding_window + 1, 0) // bs, 0)
+        kv_start = first_page * bs                                     # [R]
         qb = q[tokens].reshape(size, width, hkv, group, d)
         qb = qb.transpose(2, 0, 3, 1, 4).reshape(hkv, size, group * width, d)
         q_pos = jnp.tile(q_pos, (1, group))                            # [R, G*W]
@@ -99,17 +109,25 @@ def _attend_chunks(out, q, k_pages, v_pages, tables, first_token, first_pos,
 
         def step(j, carry):
             m_prev, l_prev, acc_prev = carry
-            ids = lax.dynamic_slice_in_dim(table, j * pages, pages, axis=1)  # [R, P]
+            cols = first_page[:, None] + j * pages + jnp.arange(pages)    # [R, P]
+            ids = jnp.take_along_axis(table, jnp.minimum(cols, table.shape[1] - 1), axis=1)
             k = k_pages[:, ids].reshape(hkv, size, bk, d).astype(jnp.float32)
             v = v_pages[:, ids].reshape(hkv, size, bk, d).astype(jnp.float32)
             if k_scales is not None:  # 8-bit pages: one scale per (head, token)
                 k = k * k_scales[:, ids].reshape(hkv, size, bk, 1).astype(jnp.float32)
                 v = v * v_scales[:, ids].reshape(hkv, size, bk, 1).astype(jnp.float32)
-            k_pos = j * bk + jnp.arange(bk, dtype=jnp.int32)
-            v = jnp.where((k_pos[None, :] < kv_len[:, None])[None, :, :, None], v, 0.0)
+            k_pos = kv_start[:, None] + j * bk + jnp.arange(bk, dtype=jnp.int32)  # [R, K]
+            seen = k_pos < kv_len[:, None]
+            if sliding_window is not None:  # keys before the earliest query's window
+                seen &= k_pos > pos0[:, None] - sliding_window
+            v = jnp.where(seen[None, :, :, None], v, 0.0)
             s = jnp.einsum("hrqd,hrkd->hrqk", qb, k) * scale            # [H,R,G*W,K]
-            mask = ((k_pos[None, None, :] <= q_pos[:, :, None])
-                    & valid[:, :, None])[None]                           # [1,R,G*W,K]
+            if logits_soft_cap is not None:
+                s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+            mask = (k_pos[:, None, :] <= q_pos[:, :, None]) & valid[:, :, None]
+            if sliding_window is not None:
+                mask &= k_pos[:, None, :] > q_pos[:, :, None] - sliding_window
+            mask = mask[None]                                            # [1,R,G*W,K]
             s = jnp.where(mask, s, DEFAULT_MASK_VALUE)
             m = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))
             p = jnp.where(mask, jnp.exp(s - m), 0.0)
@@ -122,7 +140,7 @@ def _attend_chunks(out, q, k_pages, v_pages, tables, first_token, first_pos,
         init = (jnp.full(shape + (1,), -jnp.inf, jnp.float32),
                 jnp.zeros(shape + (1,), jnp.float32),
                 jnp.zeros(shape + (d,), jnp.float32))
-        _, l, acc = lax.fori_loop(0, cdiv(jnp.max(kv_len), bk), step, init)
+        _, l, acc = lax.fori_loop(0, cdiv(jnp.max(kv_len - kv_start), bk), step, init)
         o = jnp.where(l > 0, acc / jnp.where(l > 0, l, 1.0), 0.0)
         o = o.reshape(hkv, size, group, width, d).transpose(1, 3, 0, 2, 4)
         o = o.reshape(size * width, hq, d)
@@ -141,7 +159,8 @@ def ragged_attention(q, k_pages, v_pages, block_tables, seq_lens,
                      query_start_loc, num_seqs, *, scale,
                      prefill_chunk=PREFILL_CHUNK, pages=PAGES_PER_STEP,
                      prefill_batch=PREFILL_BATCH, k_scales=None,
-                     v_scales=None, decode_attention=None):
+                     v_scales=None, decode_attention=None, sliding_window=None,
+                     logits_soft_cap=None):
     """The work split of the module docstring; arguments as in
     `ragged_paged_attention_reference`."""
     num_tokens = q.shape[0]
@@ -152,9 +171,11 @@ def ragged_attention(q, k_pages, v_pages, block_tables, seq_lens,
     seq_lens = seq_lens.astype(jnp.int32)
     tables = block_tables.astype(jnp.int32)
     q_len = jnp.where(real, qsl[1:] - qsl[:-1], 0)
+    knobs = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     if decode_attention is not None:  # e.g. cpu_kernels.paged_decode
+        set_knobs = {k: v for k, v in knobs.items() if v is not None}
         out = decode_attention(q, k_pages, v_pages, tables, seq_lens, qsl, num_seqs,
-                               scale=scale).astype(jnp.float32)
+                               scale=scale, **set_knobs).astype(jnp.float32)
     else:  # one chunk of width 1 per sequence with one query, longest first
         is_decode = q_len == 1
         order = jnp.argsort(jnp.where(is_decode, -seq_lens, 1))
@@ -162,7 +183,7 @@ def ragged_attention(q, k_pages, v_pages, block_tables, seq_lens,
             jnp.zeros(q.shape, jnp.float32), q, k_pages, v_pages, tables[order],
             qsl[order], seq_lens[order] - 1, is_decode[order].astype(jnp.int32),
             jnp.sum(is_decode), width=1, rows=DECODE_ROWS, pages=pages,
-            scale=scale, k_scales=k_scales, v_scales=v_scales)
+            scale=scale, k_scales=k_scales, v_scales=v_scales, **knobs)
 
     # Prefill: chunks of `prefill_chunk` tokens, longest context first.
     # Sequence s has ceil(q_len / W) of them; the static count bounds every
@@ -180,7 +201,15 @@ def ragged_attention(q, k_pages, v_pages, block_tables, seq_lens,
     return _attend_chunks(
         out, q, k_pages, v_pages, tables[seq][order], (qsl[seq] + offset)[order],
         first_pos[order], length[order], ends[-1], width=w, rows=prefill_batch,
-        pages=pages, scale=scale, k_scales=k_scales, v_scales=v_scales)
+        pages=pages, scale=scale, k_scales=k_scales, v_scales=v_scales, **knobs)
+
+
+def check_knobs(sliding_window, logits_soft_cap) -> None:
+    """ValueError for a window that is not a positive key count or a cap that is not positive."""
+    if sliding_window is not None and not (isinstance(sliding_window, int) and sliding_window >= 1):
+        raise ValueError(f"sliding_window={sliding_window!r}: expected a positive number of keys or None")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap={logits_soft_cap!r}: expected a positive cap or None")
 
 
 def paged_attention_reference(
@@ -194,6 +223,8 @@ def paged_attention_reference(
     pages_per_compute_block: int | None = None,
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
     backend: str | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -210,6 +241,8 @@ def paged_attention_reference(
         ``PAGES_PER_STEP``).
       k_scales, v_scales: ``[num_kv_heads, num_blocks, block_size]`` with
         8-bit pages (``quant.py``), else None.
+      sliding_window, logits_soft_cap: as in
+        `ragged_paged_attention_reference`.
       backend, interpret: ignored (kernel knobs).
 
     Returns:
@@ -221,7 +254,8 @@ def paged_attention_reference(
     return ragged_paged_attention_reference(
         q, k_pages, v_pages, block_tables, seq_lens, qsl, num_seqs, scale=scale,
         pages_per_compute_block=pages_per_compute_block, k_scales=k_scales,
-        v_scales=v_scales)
+        v_scales=v_scales, sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap)
 
 
 def ragged_paged_attention_reference(
@@ -239,6 +273,8 @@ def ragged_paged_attention_reference(
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
     decode_attention=None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
     backend: str | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -262,7 +298,13 @@ def ragged_paged_attention_reference(
         8-bit pages (``quant.py``), else None.
       decode_attention: None (the jnp loops), or a function with this
         function's leading arguments and ``scale=`` that returns every decode
-        row's attention and zeros elsewhere (``cpu_kernels.paged_decode``).
+        row's attention and zeros elsewhere (``cpu_kernels.paged_decode``);
+        it is given the two knobs below when they are set.
+      sliding_window: None, or a query at position ``p`` attends only the
+        keys ``j`` with ``p - sliding_window < j <= p`` (blocks wholly before
+        that are not read).
+      logits_soft_cap: None, or each scaled score ``s = scale * q.k``
+        becomes ``cap * tanh(s / cap)`` (Gemma 2).
       backend, interpret: ignored (kernel knobs).
 
     Returns:
@@ -272,9 +314,11 @@ def ragged_paged_attention_reference(
     """
     del backend, interpret
     quant.pools_of(k_pages, v_pages, k_scales, v_scales)
+    check_knobs(sliding_window, logits_soft_cap)
     out = ragged_attention(
         q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, num_seqs,
         scale=scale, prefill_chunk=num_queries_per_block or PREFILL_CHUNK,
         pages=pages_per_compute_block or PAGES_PER_STEP, k_scales=k_scales,
-        v_scales=v_scales, decode_attention=decode_attention)
+        v_scales=v_scales, decode_attention=decode_attention,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     return out.astype(q.dtype)
