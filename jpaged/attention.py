@@ -8,10 +8,9 @@ attention; researchers can import it into their own decoder blocks.
 KV pool layout, per layer: ``k_pages`` and ``v_pages`` of shape
 ``[num_kv_heads, num_blocks, block_size, head_dim]``; slot ``s`` is block ``s // block_size``,
 offset ``s % block_size``. Heads lead so the pool shards on its first axis. With an 8-bit KV cache
-(``kv_cache_dtype`` "int8" or "fp8") a layer's cache is ``(k_pages, v_pages, k_scales, v_scales)``:
-int8 / float8_e4m3fn pages and bfloat16 scales ``[num_kv_heads, num_blocks, block_size]``, one per
-(token, kv head) (`jpaged_kernels.quant`); the write quantizes and attention dequantizes, on every
-backend. The cache tuple alone says which: a layer needs no setting of its own.
+(``kv_cache_dtype`` "int8" or "fp8") a layer's cache is ``(k_pages, v_pages, kv_scales)``: int8 /
+float8_e4m3fn pages and one uint32 word per (slot, kv head) holding its bfloat16 K and V scales
+(`jpaged_kernels.quant`); the write quantizes and attention dequantizes, on every backend. The cache tuple alone says which: a layer needs no setting of its own.
 
 Backends:
 - ``xla`` (the CPU default): on a CPU with float32 pages, the C++ kernel
@@ -91,7 +90,7 @@ def attention_backend_of(model) -> str:
 
 def xla_paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale, **scales):
     """The C++ CPU kernel where it runs (float32 pages), else the jnp loops."""
-    if cpu.runs("paged_attention", q, k_pages, k_scales=scales.get("k_scales")):
+    if cpu.runs("paged_attention", q, k_pages, k_scales=scales.get("kv_scales")):
         return cpu.paged_attention(q, k_pages, v_pages, md.block_tables, md.seq_lens, md.query_start_loc,
                                           md.num_seqs, scale=scale).astype(q.dtype)
     return jpaged_kernels.ragged_paged_attention_reference(
@@ -121,7 +120,7 @@ def pallas_write_kv(k_pages, v_pages, k_new, v_new, slot_mapping, **scales):
 
 
 # name -> (write(k_pages, v_pages, k, v, slot_mapping, **scales), attend(q, k_pages, v_pages, md, *,
-# scale, **scales)); ``scales`` is ``k_scales=, v_scales=`` with 8-bit pages, else empty.
+# scale, **scales)); ``scales`` is ``kv_scales=`` with 8-bit pages, else empty.
 BACKENDS = {"xla": (jpaged_kernels.write_kv_reference, xla_paged_attention),
             "pallas": (pallas_write_kv, pallas_paged_attention)}
 
@@ -130,7 +129,7 @@ class PagedAttention(nnx.Module):
     """Writes K/V for this step's tokens into the paged cache and attends through block tables.
 
     Call with q [T, Hq, D], k and v [T, Hkv, D], this layer's ``(k_pages, v_pages)`` (or, 8-bit,
-    ``(k_pages, v_pages, k_scales, v_scales)``) and the step's `AttentionMetadata`; returns the
+    ``(k_pages, v_pages, kv_scales)``) and the step's `AttentionMetadata`; returns the
     attention output [T, Hq, D] and the updated cache tuple.
     """
 

@@ -58,21 +58,20 @@ def _next_decode_step(md, tokens, block_size: int):
     return jnp.where(real, tokens[:real.shape[0]], 0), md
 
 
-# A layer's cache is a tuple of pool arrays that all lead with [Hkv, num_blocks, block_size]:
-# (k_pages, v_pages), or with 8-bit pages (k_pages, v_pages, k_scales, v_scales). Block moves treat
-# every array alike, so scales always travel with their pages.
+# A layer's cache is a tuple of pool arrays that all lead with [Hkv, ...]: (k_pages, v_pages), or
+# with 8-bit pages (k_pages, v_pages, kv_scales) (`jpaged_kernels.pool`). Block moves go through
+# `jpaged_kernels.pool`, so scale words always travel with their pages.
 
 def _gather_blocks(kv_caches, blocks):
     """The blocks of every layer, for the host: one [L, Hkv, len(blocks), block_size, ...] array per
-    pool array of a layer (K and V pages, then scales)."""
-    return tuple(jnp.stack([layer[i][:, blocks] for layer in kv_caches]) for i in range(len(kv_caches[0])))
+    pool array of a layer (K and V pages, then scale words)."""
+    per_layer = [jpaged_kernels.pool.take_blocks(layer, blocks) for layer in kv_caches]
+    return tuple(jnp.stack(arrays) for arrays in zip(*per_layer))
 
 
 def _scatter_blocks(kv_caches, blocks, data):
     """Writes `_gather_blocks`'s ``data`` into ``blocks`` (negative ids: dropped)."""
-    nb = kv_caches[0][0].shape[1]
-    dst = jnp.where(blocks < 0, nb, blocks)
-    return [tuple(x.at[:, dst].set(d[i], mode="drop") for x, d in zip(layer, data))
+    return [jpaged_kernels.pool.put_blocks(layer, blocks, tuple(d[i] for d in data))
             for i, layer in enumerate(kv_caches)]
 
 
@@ -204,13 +203,11 @@ class ModelRunner:
         self._signatures: set = set()  # distinct argument shapes seen by each jitted function
 
     def _new_kv_pool(self):
-        """Per layer ``(k_pages, v_pages)``, or with 8-bit pages ``(k_pages, v_pages, k_scales,
-        v_scales)`` (scales ``[Hkv, num_blocks, block_size]``, `jpaged_kernels.SCALE_DTYPE`)."""
+        """Per layer ``(k_pages, v_pages)``, or with 8-bit pages ``(k_pages, v_pages, kv_scales)``
+        (`jpaged_kernels.pool.layer_arrays`)."""
         c = self.config
-        shape = (c.num_kv_heads, self.num_blocks, self.block_size, c.head_dim)
-        arrays = [(shape, self.kv_cache_dtype)] * 2
-        if jpaged_kernels.quant.is_quantized(self.kv_cache_dtype):
-            arrays += [(shape[:3], jpaged_kernels.SCALE_DTYPE)] * 2
+        arrays = jpaged_kernels.pool.layer_arrays(c.num_kv_heads, self.num_blocks, self.block_size, c.head_dim,
+                                                  self.kv_cache_dtype)
         return [tuple(sharding.zeros_sharded(s, dt, sharding.kv_pool_sharding(self.mesh, len(s))) for s, dt in arrays)
                 for _ in range(c.num_layers)]
 
