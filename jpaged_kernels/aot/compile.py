@@ -36,6 +36,8 @@ class CompileResult:
       ok: it compiled.
       error: the error's first lines ('' when ok).
       seconds: wall time of trace + lower + compile.
+      cpu_seconds: CPU time of this process meanwhile (all threads; steadier than wall time on
+        a loaded machine).
       memory: ``memory_analysis()`` fields in bytes (empty when it failed or has none).
       spills: ``(function, spill store bytes, spill load bytes)`` per ptxas spill warning.
     """
@@ -43,6 +45,7 @@ class CompileResult:
     ok: bool
     error: str = ""
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
     memory: dict = dataclasses.field(default_factory=dict)
     spills: list = dataclasses.field(default_factory=list)
 
@@ -113,7 +116,7 @@ def compile_for(target: str, fn, *args: jax.ShapeDtypeStruct, donate_argnums=(),
     jit_kw = dict(donate_argnums=donate_argnums,
                   in_shardings=_formats(tuple(placed), sharding, row_major),
                   out_shardings=_formats(outs, sharding, row_major))
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     # The default device is the target's, so lowering rules that ask it (Pallas TPU queries the
     # chip generation) see the target chip, not the host's CPU.
     with captured_stderr() as log, jax.default_device(device):
@@ -122,10 +125,10 @@ def compile_for(target: str, fn, *args: jax.ShapeDtypeStruct, donate_argnums=(),
             error = None
         except Exception as e:  # noqa: BLE001 - every compiler error is a result here
             error = e
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     spills = parse_spills(log[0])
     if error is not None:
-        return CompileResult(False, _first_lines(error), seconds, spills=spills)
+        return CompileResult(False, _first_lines(error), seconds, cpu_seconds, spills=spills)
     analysis = compiled.memory_analysis()
     memory = {f: int(getattr(analysis, f)) for f in _MEMORY_FIELDS if hasattr(analysis, f)}
-    return CompileResult(True, "", seconds, memory, spills)
+    return CompileResult(True, "", seconds, cpu_seconds, memory, spills)

@@ -28,6 +28,8 @@ BACKENDS = (None, "auto", "tpu", "gpu", "xla")
 # Shared memory the Triton attention kernels give their pipelined K/V tiles (all stages): an
 # A100 lets a block opt in to 163 KiB, an H100 to 227 KiB; the rest is Triton's own scratch.
 GPU_KV_SMEM_BYTES = 96 * 1024
+# Elements of an 8-bit K (or V) tile a Triton program casts in registers without spilling.
+GPU_CAST_ELEMENTS = 32 * 128
 
 
 # ---------------------------------------------------------------------------
@@ -92,10 +94,16 @@ def gpu_supported(head_dim: int, block_size: int) -> bool:
 def gpu_keys_per_step(head_dim: int, itemsize: int, block_size: int, pages: int,
                       num_stages: int) -> int:
     """Keys per online-softmax step of a Triton attention kernel: ``pages`` pages, fewer when
-    their K and V tiles in all pipeline stages would pass `GPU_KV_SMEM_BYTES` (then possibly a
-    part of one page); a power of two, at least 16 (a dot's K dimension)."""
+    their K and V tiles in all pipeline stages would pass `GPU_KV_SMEM_BYTES` of shared memory,
+    or (8-bit pages, cast to the query dtype in registers) a K tile would pass
+    `GPU_CAST_ELEMENTS`; then possibly a part of one page. A power of two, at least 16 (a dot's
+    K dimension)."""
+    def too_big(keys):
+        smem = 2 * num_stages * keys * head_dim * itemsize > GPU_KV_SMEM_BYTES
+        return smem or (itemsize == 1 and keys * head_dim > GPU_CAST_ELEMENTS)
+
     keys = pages * block_size
-    while keys > 16 and 2 * num_stages * keys * head_dim * itemsize > GPU_KV_SMEM_BYTES:
+    while keys > 16 and too_big(keys):
         keys //= 2
     return max(keys, 16)
 

@@ -323,14 +323,13 @@ def _gpu_tiling(num_queries_per_block, group, head_dim, keys, eight_bit):
     """``(tile, num_warps)``: query tokens per program and warps, so that the ``[tile * group,
     head_dim]`` query and accumulator and the ``[tile * group, keys]`` logits stay in registers;
     ``tile * group >= 16`` (a dot's M dimension). A tile has at most ``2 * GPU_TILE_ELEMENTS``
-    elements (``GPU_TILE_ELEMENTS`` with 8-bit pages, whose cast to the query dtype needs
-    registers too) and gets 8 warps when it has more than ``GPU_TILE_ELEMENTS``."""
+    elements and gets 8 warps when it has more than ``GPU_TILE_ELEMENTS``; with 8-bit pages
+    (cast to the query dtype in registers) at most ``GPU_TILE_ELEMENTS``, on 4 warps."""
     limit = GPU_TILE_ELEMENTS if eight_bit else 2 * GPU_TILE_ELEMENTS
     tile = next_power_of_2(max(num_queries_per_block, pl.cdiv(16, group)))
     while tile * group > 16 and tile * group * max(head_dim, keys) > limit:
         tile //= 2
-    big = eight_bit or tile * group * max(head_dim, keys) > GPU_TILE_ELEMENTS
-    return tile, 8 if big else 4
+    return tile, 8 if tile * group * max(head_dim, keys) > GPU_TILE_ELEMENTS else 4
 
 
 def _ragged_gpu(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
