@@ -41,3 +41,11 @@ def check_attention_shapes(q, k_pages, v_pages, block_tables, seq_lens):
         raise ValueError("block_tables must be [num_seqs, max_blocks] and "
                          f"seq_lens [num_seqs]; got {block_tables.shape}, "
                          f"{seq_lens.shape}")
+
+
+def check_knobs(sliding_window, logits_soft_cap):
+    """Raises unless the attention knobs are None or positive."""
+    if sliding_window is not None and (int(sliding_window) != sliding_window or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or an int >= 1; got {sliding_window!r}")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap must be None or > 0; got {logits_soft_cap!r}")

@@ -43,25 +43,30 @@ KERNEL_BACKENDS = (["tpu", "gpu"] if INTERPRET
 # ---------------------------------------------------------------------------
 
 
-def np_attention_row(q_h, keys, values, scale):
-  """softmax(scale * q.k) . v for one query head over visible keys."""
+def np_attention_row(q_h, keys, values, scale, soft_cap=None):
+  """softmax(scale * q.k) . v for one query head over visible keys (logits
+  capped to ``soft_cap * tanh(s / soft_cap)`` with a soft cap)."""
   if len(keys) == 0:
     return np.zeros_like(q_h)
   logits = np.array([scale * float(np.dot(q_h, k)) for k in keys])
+  if soft_cap is not None:
+    logits = soft_cap * np.tanh(logits / soft_cap)
   w = np.exp(logits - logits.max())
   w /= w.sum()
   return (w[:, None] * np.asarray(values)).sum(0)
 
 
-def np_context(pages, table, seq_len, head):
-  """Keys of one sequence and head, in position order, read slot by slot."""
+def np_context(pages, table, seq_len, head, window=None):
+  """Keys of one sequence and head, in position order, read slot by slot: the
+  last ``window`` of the first ``seq_len`` positions (all without a window)."""
   block_size = pages.shape[2]
+  first = 0 if window is None else max(0, seq_len - window)
   return [pages[head, table[p // block_size], p % block_size]
-          for p in range(seq_len)]
+          for p in range(first, seq_len)]
 
 
 def np_ragged(q, k_pages, v_pages, block_tables, seq_lens, qsl, num_seqs,
-              scale):
+              scale, window=None, soft_cap=None):
   q = np.asarray(q, np.float64)
   k_pages = np.asarray(k_pages, np.float64)
   v_pages = np.asarray(v_pages, np.float64)
@@ -73,19 +78,20 @@ def np_ragged(q, k_pages, v_pages, block_tables, seq_lens, qsl, num_seqs,
     for i in range(q_len):
       pos = seq_lens[s] - q_len + i
       for h in range(hq):
-        keys = np_context(k_pages, block_tables[s], pos + 1, h // group)
-        vals = np_context(v_pages, block_tables[s], pos + 1, h // group)
+        keys = np_context(k_pages, block_tables[s], pos + 1, h // group, window)
+        vals = np_context(v_pages, block_tables[s], pos + 1, h // group, window)
         out[qsl[s] + i, h] = np_attention_row(q[qsl[s] + i, h], keys, vals,
-                                              scale)
+                                              scale, soft_cap)
   return out
 
 
-def np_paged(q, k_pages, v_pages, block_tables, seq_lens, scale):
+def np_paged(q, k_pages, v_pages, block_tables, seq_lens, scale, window=None,
+             soft_cap=None):
   num_seqs = q.shape[0]
   qsl = np.arange(num_seqs + 1)
   # Decode == ragged with one row per sequence at position seq_len - 1.
   return np_ragged(q, k_pages, v_pages, block_tables, seq_lens, qsl,
-                   num_seqs, scale)
+                   num_seqs, scale, window, soft_cap)
 
 
 def np_write_kv(k_pages, v_pages, k_new, v_new, slots):
@@ -198,14 +204,15 @@ def test_paged_reference_vs_numpy(case):
   check(out, expected, case.dtype)
 
 
-def check_ragged_reference(case, **knobs):
+def check_ragged_reference(case, window=None, soft_cap=None, **knobs):
   """The jnp ragged attention (with ``knobs``) against the numpy loops."""
   args, kw = case.build()
-  out = pk.ragged_paged_attention_reference(*args, **knobs, **kw)
+  out = pk.ragged_paged_attention_reference(
+      *args, sliding_window=window, logits_soft_cap=soft_cap, **knobs, **kw)
   q, k, v, bt, sl, qsl, ns = args
   expected = np_ragged(as_np(q), as_np(k), as_np(v), np.asarray(bt),
                        np.asarray(sl), np.asarray(qsl), int(ns[0]),
-                       kw["scale"])
+                       kw["scale"], window, soft_cap)
   check(out, expected, case.dtype)
 
 
@@ -225,6 +232,42 @@ def test_reference_work_split_vs_numpy():
   case = Case(seqs=[(1, 70), (23, 40), (1, 3), (7, 7), (1, 33), (2, 18)],
               block_size=8, max_seqs=8, extra_tokens=2)
   check_ragged_reference(case, num_queries_per_block=4, pages_per_compute_block=1)
+
+
+# (sliding_window, logits_soft_cap): a window shorter than a block, one of a
+# few blocks, one longer than every context; a cap that bites (the logits are
+# ~N(0, 1) here) and one with a window.
+KNOBS = {"w3": (3, None), "w20": (20, None), "w4096": (4096, None),
+         "cap2": (None, 2.0), "w9_cap5": (9, 5.0)}
+
+
+@pytest.mark.parametrize("knobs", KNOBS)
+def test_reference_window_and_soft_cap_vs_numpy(knobs):
+  """Windows cut inside and across blocks, for prefill chunks that start
+  after cached tokens and for decode rows; the cap on large logits."""
+  window, cap = KNOBS[knobs]
+  case = Case(seqs=[(1, 70), (23, 40), (1, 3), (7, 7), (1, 33), (30, 64)],
+              block_size=8, max_seqs=8, extra_tokens=2)
+  check_ragged_reference(case, window, cap, num_queries_per_block=4,
+                         pages_per_compute_block=2)
+  (q, k, v, bt, sl, _, _), kw = decode_case([0, 1, 9, 40, 100]).build()
+  out = pk.paged_attention_reference(q, k, v, bt, sl, sliding_window=window,
+                                     logits_soft_cap=cap, **kw)
+  check(out, np_paged(as_np(q), as_np(k), as_np(v), np.asarray(bt),
+                      np.asarray(sl), kw["scale"], window, cap), jnp.float32)
+
+
+def test_reference_window_reads_only_the_window():
+  """Blocks wholly before a row's window are never read: NaN there changes
+  nothing."""
+  case = decode_case([100, 37], block_size=8)
+  (q, k, v, bt, sl, _, _), kw = case.build()
+  out = pk.paged_attention_reference(q, k, v, bt, sl, sliding_window=16, **kw)
+  poisoned = [x.at[:, bt[0, :10]].set(np.nan).at[:, bt[1, :2]].set(np.nan)
+              for x in (k, v)]  # sequence 0 sees 84..99, sequence 1 sees 21..36
+  got = pk.paged_attention_reference(q, *poisoned, bt, sl, sliding_window=16,
+                                     **kw)
+  check(got, out, jnp.float32)
 
 
 def test_reference_decode_batches_vs_numpy():
@@ -324,6 +367,43 @@ def test_ragged_paged_attention(name, backend):
   assert not np.any(as_np(out)[num_real:])  # padding rows are zeros
 
 
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("knobs", ["w3", "w20", "w9_cap5"])
+def test_kernels_window_and_soft_cap(knobs, backend):
+  window, cap = KNOBS[knobs]
+  kw = dict(sliding_window=window, logits_soft_cap=cap, backend=backend,
+            interpret=INTERPRET)
+  case = decode_case([0, 1, 15, 16, 17, 100], block_size=16, dtype=jnp.bfloat16)
+  (q, k, v, bt, sl, _, _), skw = case.build()
+  out = pk.paged_attention(q, k, v, bt, sl, pages_per_compute_block=2, **kw, **skw)
+  check(out, pk.paged_attention_reference(q, k, v, bt, sl, sliding_window=window,
+                                          logits_soft_cap=cap, **skw), case.dtype)
+  case = Case(seqs=[(5, 5), (1, 20), (0, 7), (17, 33), (1, 1), (40, 56)],
+              block_size=8, max_seqs=8, extra_tokens=7)
+  args, skw = case.build()
+  out = pk.ragged_paged_attention(*args, pages_per_compute_block=2, **kw, **skw)
+  check(out, pk.ragged_paged_attention_reference(
+      *args, sliding_window=window, logits_soft_cap=cap, **skw), case.dtype)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_kernels_read_only_the_window(backend):
+  """Blocks wholly before every row's window are never fetched."""
+  (q, k, v, bt, sl, qsl, ns), kw = Case(seqs=[(1, 100), (20, 60)],
+                                         block_size=8).build()
+  poisoned = [x.at[:, bt[0, :10]].set(np.nan).at[:, bt[1, 1:3]].set(np.nan)
+              for x in (k, v)]  # seq 0 sees 84..99; seq 1's rows see 25..59
+  knobs = dict(sliding_window=16, backend=backend, interpret=INTERPRET, **kw)
+  want = pk.ragged_paged_attention(q, k, v, bt, sl, qsl, ns,
+                                   pages_per_compute_block=1, **knobs)
+  got = pk.ragged_paged_attention(q, *poisoned, bt, sl, qsl, ns,
+                                  pages_per_compute_block=1, **knobs)
+  check(got, want, jnp.float32)
+  got = pk.paged_attention(q[:1], *poisoned, bt[:1], sl[:1],
+                           pages_per_compute_block=1, **knobs)
+  check(got, want[:1], jnp.float32)
+
+
 def test_ragged_decode_rows_match_paged_attention():
   """A batch of q_len == 1 rows is the decode kernel's problem."""
   case = decode_case([1, 16, 17, 70], block_size=16)
@@ -352,15 +432,44 @@ def test_ragged_scalar_num_seqs_and_small_tiles():
     check(out, ref, jnp.float32)
 
 
+# Slot patterns of a write into 6 blocks of 16: random with padding; a prefill
+# run over whole and partial tiles of rows (8 float32 / 16 bfloat16 rows), in
+# reverse token order; decode rows in distinct blocks.
+SLOT_PATTERNS = {
+    "random": None,
+    "runs": np.r_[np.arange(16, 61)[::-1], -1, 3, 70, 71, -1],
+    "decode": np.array([5, 21, 37, -1, 53, 69, 90]),
+}
+
+
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("slots", SLOT_PATTERNS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_write_kv(backend, dtype):
-  k, v, kn, vn, slots = _cache_inputs(dtype=dtype, kvh=2, bs=16, d=128)
-  got = pk.write_kv(k, v, kn, vn, slots, backend=backend, interpret=INTERPRET)
-  want = pk.write_kv_reference(k, v, kn, vn, slots)
+def test_write_kv(backend, slots, dtype):
+  pattern = SLOT_PATTERNS[slots]
+  num_tokens = 9 if pattern is None else len(pattern)
+  k, v, kn, vn, slot_mapping = _cache_inputs(dtype=dtype, kvh=2, bs=16, d=128,
+                                             num_tokens=num_tokens)
+  if pattern is not None:
+    slot_mapping = jnp.asarray(pattern, jnp.int32)
+  got = pk.write_kv(k, v, kn, vn, slot_mapping, backend=backend,
+                    interpret=INTERPRET)
+  want = np_write_kv(as_np(k), as_np(v), as_np(kn), as_np(vn),
+                     np.asarray(slot_mapping))
   for g, w in zip(got, want):
     assert g.dtype == dtype
-    np.testing.assert_array_equal(as_np(g), as_np(w))
+    np.testing.assert_array_equal(as_np(g), w)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_write_kv_duplicate_slots_write_one_of_the_rows(backend):
+  k, v, kn, vn, _ = _cache_inputs(dtype=jnp.bfloat16, bs=16, num_tokens=5)
+  slots = jnp.array([7, 7, 8, 7, -1], jnp.int32)
+  got_k, _ = pk.write_kv(k, v, kn, vn, slots, backend=backend,
+                         interpret=INTERPRET)
+  row = as_np(got_k)[:, 0, 7]
+  assert any(np.array_equal(row, as_np(kn)[t]) for t in (0, 1, 3))
+  np.testing.assert_array_equal(as_np(got_k)[:, 0, 8], as_np(kn)[2])
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)

@@ -31,6 +31,10 @@ def _f32(x):
     return np.asarray(jnp.asarray(x).astype(jnp.float32))
 
 
+def _bits(x):
+    return np.asarray(x).view(np.uint8)
+
+
 # ---------------------------------------------------------------------------
 # Quantization.
 # ---------------------------------------------------------------------------
@@ -92,16 +96,28 @@ def _case(name, q_dtype=jnp.float32, seed=0, kvh=2, group=2, d=64, bs=8, num_blo
     k *= rng.uniform(0.5, 4.0, (kvh, num_blocks, bs, 1)).astype(np.float32)  # per-token magnitudes
     q = rng.standard_normal((num_tokens, kvh * group, d)).astype(np.float32)
     # Quantize the whole float pool through write_kv (every slot once).
-    qdt = QDTYPES[name]
-    pools = (jnp.zeros(k.shape, qdt), jnp.zeros(k.shape, qdt), jnp.zeros(k.shape[:3], pk.SCALE_DTYPE),
-             jnp.zeros(k.shape[:3], pk.SCALE_DTYPE))
+    pools = _zero_pool(QDTYPES[name], kvh, num_blocks, bs, d)
     rows = lambda x: jnp.asarray(x.reshape(kvh, -1, d).swapaxes(0, 1))  # noqa: E731  [slots, kvh, d]
     slots = jnp.arange(num_blocks * bs, dtype=jnp.int32)
-    kq, vq, ks, vs = pk.write_kv_reference(pools[0], pools[1], rows(k), rows(v), slots,
-                                           k_scales=pools[2], v_scales=pools[3])
+    kq, vq, words = pk.write_kv_reference(pools[0], pools[1], rows(k), rows(v), slots,
+                                          kv_scales=pools[2])
     args = dict(block_tables=jnp.asarray(tables), seq_lens=jnp.asarray(lens),
                 query_start_loc=jnp.asarray(qsl), num_seqs=jnp.array([4], jnp.int32))
-    return (jnp.asarray(q, q_dtype), (jnp.asarray(k), jnp.asarray(v)), (kq, vq, ks, vs), args)
+    return (jnp.asarray(q, q_dtype), (jnp.asarray(k), jnp.asarray(v)), (kq, vq, words), args)
+
+
+def _zero_pool(dtype, kvh, num_blocks, bs, d):
+    return tuple(jnp.zeros(shape, dt) for shape, dt in pk.pool.layer_arrays(kvh, num_blocks, bs, d, dtype))
+
+
+def _slot_scales(words, block_size):
+    """The float32 ``(k_scales, v_scales)`` ``[kvh, blocks, block_size]`` of scale words."""
+    return pk.unpack_scales(pk.quant.block_words(words, block_size))
+
+
+def _dequantized(pages, words, which):
+    scales = _slot_scales(words, pages.shape[2])[which][:, :pages.shape[1]]
+    return pk.dequantize(pages, scales)
 
 
 def _ragged_ref(q, k, v, args, **kw):
@@ -112,20 +128,20 @@ def _ragged_ref(q, k, v, args, **kw):
 # Outputs are ~0.57 in mean magnitude: int8 errs ~1% on average, fp8 (3 mantissa bits) ~4%.
 @pytest.mark.parametrize("name,max_err,mean_err", [("int8", 0.08, 0.01), ("fp8", 0.3, 0.04)])
 def test_reference_8bit_vs_float_attention(name, max_err, mean_err):
-    q, (k, v), (kq, vq, ks, vs), args = _case(name)
-    out_8bit = _f32(_ragged_ref(q, kq, vq, args, k_scales=ks, v_scales=vs))
+    q, (k, v), (kq, vq, words), args = _case(name)
+    out_8bit = _f32(_ragged_ref(q, kq, vq, args, kv_scales=words))
     out_float = _f32(_ragged_ref(q, k, v, args))
     err = np.abs(out_8bit - out_float)[:27]  # the real tokens
     assert err.max() < max_err and err.mean() < mean_err, (err.max(), err.mean())
     assert err.max() > 0  # the 8-bit path is really taken
     # Exactly attention over the dequantized pages: the reference dequantizes before its math.
-    deq = _f32(_ragged_ref(q, pk.dequantize(kq, ks), pk.dequantize(vq, vs), args))
+    deq = _f32(_ragged_ref(q, _dequantized(kq, words, 0), _dequantized(vq, words, 1), args))
     np.testing.assert_allclose(out_8bit, deq, atol=1e-6, rtol=1e-6)
     # Decode entry point: same rows.
     dec = _f32(pk.paged_attention_reference(q[:5], kq, vq, args["block_tables"], args["seq_lens"],
-                                            scale=0.125, k_scales=ks, v_scales=vs))
+                                            scale=0.125, kv_scales=words))
     full = _f32(_ragged_ref(q[:5], kq, vq, dict(args, query_start_loc=jnp.arange(6, dtype=jnp.int32),
-                                                 num_seqs=jnp.array([5], jnp.int32)), k_scales=ks, v_scales=vs))
+                                                 num_seqs=jnp.array([5], jnp.int32)), kv_scales=words))
     np.testing.assert_allclose(dec, full, atol=1e-6)
 
 
@@ -133,8 +149,8 @@ def test_reference_8bit_vs_float_attention(name, max_err, mean_err):
 @pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("name", QDTYPES)
 def test_kernels_vs_reference_on_8bit_pages(name, q_dtype, backend):
-    q, _, (kq, vq, ks, vs), args = _case(name, q_dtype, seed=1)
-    scales = dict(k_scales=ks, v_scales=vs)
+    q, _, (kq, vq, words), args = _case(name, q_dtype, seed=1)
+    scales = dict(kv_scales=words)
     expected = _f32(_ragged_ref(q, kq, vq, args, **scales))
     got = pk.ragged_paged_attention(q, kq, vq, args["block_tables"], args["seq_lens"], args["query_start_loc"],
                                     args["num_seqs"], scale=0.125, pages_per_compute_block=2,
@@ -147,50 +163,74 @@ def test_kernels_vs_reference_on_8bit_pages(name, q_dtype, backend):
     got = pk.paged_attention(qd, kq, vq, args["block_tables"], args["seq_lens"], scale=0.125,
                              pages_per_compute_block=2, backend=backend, interpret=INTERPRET, **scales)
     np.testing.assert_allclose(_f32(got), expected, **KERNEL_TOL[q_dtype])
+    # With a sliding window and a soft cap: scale words of pages that start mid-row.
+    knobs = dict(sliding_window=11, logits_soft_cap=3.0)
+    expected = _f32(_ragged_ref(q, kq, vq, args, **scales, **knobs))
+    got = pk.ragged_paged_attention(q, kq, vq, args["block_tables"], args["seq_lens"], args["query_start_loc"],
+                                    args["num_seqs"], scale=0.125, pages_per_compute_block=3,
+                                    backend=backend, interpret=INTERPRET, **scales, **knobs)
+    np.testing.assert_allclose(_f32(got), expected, **KERNEL_TOL[q_dtype])
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("name", QDTYPES)
 def test_write_and_copy_kernels_on_8bit_pools(name, backend):
     rng = np.random.default_rng(2)
-    kvh, nb, bs, d = 2, 10, 8, 64
+    kvh, nb, bs, d = 2, 40, 8, 64
     qdt = QDTYPES[name]
-    pools = (jnp.asarray(rng.integers(-100, 100, (kvh, nb, bs, d)), jnp.float32).astype(qdt),) * 2 + (
-        jnp.asarray(rng.uniform(0, 1, (kvh, nb, bs)), pk.SCALE_DTYPE),) * 2
-    new = [jnp.asarray(rng.standard_normal((20, kvh, d)) * 3, jnp.bfloat16) for _ in range(2)]
-    slots = jnp.asarray(np.r_[rng.permutation(nb * bs)[:18], -1, -5], jnp.int32)
-    scales = lambda p: dict(k_scales=p[2], v_scales=p[3])  # noqa: E731
-    want = pk.write_kv_reference(*pools[:2], *new, slots, **scales(pools))
-    got = pk.write_kv(*pools[:2], *new, slots, backend=backend, interpret=INTERPRET, **scales(pools))
-    assert len(got) == 4
+    k_pages, v_pages, words = _zero_pool(qdt, kvh, nb, bs, d)
+    k_pages = v_pages = jnp.asarray(rng.integers(-100, 100, k_pages.shape), jnp.float32).astype(qdt)
+    scales = jnp.asarray(rng.uniform(0, 1, (2,) + words.shape), pk.SCALE_DTYPE)
+    pools = (k_pages, v_pages, pk.pack_scales(scales[0], scales[1]))
+    new = [jnp.asarray(rng.standard_normal((40, kvh, d)) * 3, jnp.bfloat16) for _ in range(2)]
+    # Random slots, a prefill run across a 128-slot scale row, padding.
+    slots = jnp.asarray(np.r_[rng.permutation(nb * bs)[:18], np.arange(120, 140), -1, -5], jnp.int32)
+    want = pk.write_kv_reference(*pools[:2], *new, slots, kv_scales=pools[2])
+    got = pk.write_kv(*pools[:2], *new, slots, backend=backend, interpret=INTERPRET, kv_scales=pools[2])
+    assert len(got) == 3
     for a, b in zip(got, want):
         assert a.dtype == b.dtype
-        np.testing.assert_array_equal(_f32(a), _f32(b))
+        np.testing.assert_array_equal(_bits(a), _bits(b))
     # The written rows dequantize to the new K within int8/fp8 precision.
-    block, off = slots[0] // bs, slots[0] % bs
-    np.testing.assert_allclose(_f32(pk.dequantize(got[0][:, block, off], got[2][:, block, off])),
+    block, off = int(slots[0]) // bs, int(slots[0]) % bs
+    k_scale = _slot_scales(got[2], bs)[0][:, block, off]
+    np.testing.assert_allclose(_f32(got[0][:, block, off]) * _f32(k_scale)[:, None],
                                _f32(new[0][0]), atol=0.08 * float(jnp.max(jnp.abs(new[0][0]))))
-    src, dst = jnp.array([1, 2, -1, 4], jnp.int32), jnp.array([6, 7, 8, -1], jnp.int32)
-    want = pk.copy_blocks_reference(*got[:2], src, dst, **scales(got))
-    copied = pk.copy_blocks(*got[:2], src, dst, backend=backend, interpret=INTERPRET, **scales(got))
+    # Copies within one 128-slot scale row (blocks 1 -> 6) and across rows (17 -> 2, 33 -> 30).
+    src, dst = jnp.array([1, 17, -1, 4, 33], jnp.int32), jnp.array([6, 2, 8, -1, 30], jnp.int32)
+    want = pk.copy_blocks_reference(*got[:2], src, dst, kv_scales=got[2])
+    copied = pk.copy_blocks(*got[:2], src, dst, backend=backend, interpret=INTERPRET, kv_scales=got[2])
     for a, b in zip(copied, want):
-        np.testing.assert_array_equal(_f32(a), _f32(b))
-    np.testing.assert_array_equal(_f32(copied[3][:, 6]), _f32(got[3][:, 1]))  # scales moved with pages
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+    before, after = (pk.quant.block_words(x[2], bs) for x in (got, copied))
+    np.testing.assert_array_equal(np.asarray(after[:, 6]), np.asarray(before[:, 1]))  # scales moved
+    np.testing.assert_array_equal(np.asarray(after[:, 7]), np.asarray(before[:, 7]))  # neighbours kept
 
 
 def test_scales_and_page_dtypes_must_match():
     f32 = jnp.zeros((2, 4, 8, 16), jnp.float32)
     i8 = jnp.zeros((2, 4, 8, 16), jnp.int8)
-    sc = jnp.zeros((2, 4, 8), pk.SCALE_DTYPE)
+    words = jnp.zeros(pk.quant.scales_shape(2, 4, 8), jnp.uint32)
     new = jnp.zeros((3, 2, 16), jnp.float32)
     slots = jnp.arange(3, dtype=jnp.int32)
     assert len(pk.write_kv(f32, f32, new, new, slots)) == 2  # auto: unchanged
-    with pytest.raises(ValueError, match="need k_scales"):
+    with pytest.raises(ValueError, match="need kv_scales"):
         pk.write_kv(i8, i8, new, new, slots)
-    with pytest.raises(ValueError, match="k_scales/v_scales are for int8"):
-        pk.write_kv(f32, f32, new, new, slots, k_scales=sc, v_scales=sc)
-    with pytest.raises(ValueError, match="num_blocks, block_size"):
-        pk.copy_blocks(i8, i8, slots, slots, k_scales=sc[:, :2], v_scales=sc[:, :2])
+    with pytest.raises(ValueError, match="kv_scales are for int8"):
+        pk.write_kv(f32, f32, new, new, slots, kv_scales=words)
+    with pytest.raises(ValueError, match="scales_shape"):
+        pk.copy_blocks(i8, i8, slots, slots, kv_scales=words[:, :2])
+    with pytest.raises(ValueError, match="block_size that divides 128"):
+        pk.pool.layer_arrays(2, 4, 24, 16, jnp.int8)
+
+
+def test_scale_words_round_trip():
+    rng = np.random.default_rng(3)
+    k, v = (jnp.asarray(rng.standard_normal((5, 7)) * 10.0 ** rng.integers(-20, 20, (5, 7)), pk.SCALE_DTYPE)
+            for _ in range(2))
+    k_back, v_back = pk.unpack_scales(pk.pack_scales(k, v))
+    np.testing.assert_array_equal(_f32(k_back), _f32(k))
+    np.testing.assert_array_equal(_f32(v_back), _f32(v))
 
 
 # ---------------------------------------------------------------------------
@@ -203,21 +243,21 @@ FALLBACK_OPS = ("stablehlo.gather", "stablehlo.scatter", "stablehlo.while")
 
 def _export_calls(qdt, q_dtype=jnp.bfloat16, kvh=2, group=4, d=128, bs=16, nb=64):
     s, i32 = jax.ShapeDtypeStruct, jnp.int32
-    pages, sc = s((kvh, nb, bs, d), qdt), s((kvh, nb, bs), pk.SCALE_DTYPE)
+    pages = s((kvh, nb, bs, d), qdt)
+    words = s(pk.quant.scales_shape(kvh, nb, bs), jnp.uint32)
     tables, lens = s((6, 12), i32), s((6,), i32)
     return {
-        "paged_attention": (lambda q, kp, vp, ks, vs, t, n: pk.paged_attention(
-            q, kp, vp, t, n, k_scales=ks, v_scales=vs, scale=0.1),
-            (s((6, kvh * group, d), q_dtype), pages, pages, sc, sc, tables, lens), {}),
-        "ragged_paged_attention": (lambda q, kp, vp, ks, vs, t, n, qsl, ns: pk.ragged_paged_attention(
-            q, kp, vp, t, n, qsl, ns, k_scales=ks, v_scales=vs, scale=0.1),
-            (s((40, kvh * group, d), q_dtype), pages, pages, sc, sc, tables, lens, s((7,), i32), s((1,), i32)), {}),
-        "write_kv": (lambda kp, vp, ks, vs, kn, vn, slots: pk.write_kv(
-            kp, vp, kn, vn, slots, k_scales=ks, v_scales=vs),
-            (pages, pages, sc, sc, s((40, kvh, d), q_dtype), s((40, kvh, d), q_dtype), s((40,), i32)),
-            dict(donate_argnums=(0, 1, 2, 3))),
-        "copy_blocks": (lambda kp, vp, ks, vs, a, b: pk.copy_blocks(kp, vp, a, b, k_scales=ks, v_scales=vs),
-                        (pages, pages, sc, sc, s((5,), i32), s((5,), i32)), dict(donate_argnums=(0, 1, 2, 3))),
+        "paged_attention": (lambda q, kp, vp, w, t, n: pk.paged_attention(
+            q, kp, vp, t, n, kv_scales=w, scale=0.1),
+            (s((6, kvh * group, d), q_dtype), pages, pages, words, tables, lens), {}),
+        "ragged_paged_attention": (lambda q, kp, vp, w, t, n, qsl, ns: pk.ragged_paged_attention(
+            q, kp, vp, t, n, qsl, ns, kv_scales=w, scale=0.1),
+            (s((40, kvh * group, d), q_dtype), pages, pages, words, tables, lens, s((7,), i32), s((1,), i32)), {}),
+        "write_kv": (lambda kp, vp, w, kn, vn, slots: pk.write_kv(kp, vp, kn, vn, slots, kv_scales=w),
+                     (pages, pages, words, s((40, kvh, d), q_dtype), s((40, kvh, d), q_dtype), s((40,), i32)),
+                     dict(donate_argnums=(0, 1, 2))),
+        "copy_blocks": (lambda kp, vp, w, a, b: pk.copy_blocks(kp, vp, a, b, kv_scales=w),
+                        (pages, pages, words, s((5,), i32), s((5,), i32)), dict(donate_argnums=(0, 1, 2))),
     }
 
 
@@ -231,8 +271,8 @@ def test_quantized_kernels_export(op, name, platform):
     assert CUSTOM_CALL[platform] in text
     for bad in FALLBACK_OPS:
         assert bad not in text, f"{op} ({name}) on {platform} fell back to XLA ({bad})"
-    if op in ("write_kv", "copy_blocks"):  # pages and scales all alias their outputs
-        assert text.count("tf.aliasing_output") == 4
+    if op in ("write_kv", "copy_blocks"):  # pages and scale words all alias their outputs
+        assert text.count("tf.aliasing_output") == 3
 
 
 # ---------------------------------------------------------------------------
@@ -297,9 +337,9 @@ def test_blocks_per_byte_budget(hd64_dir):
     fp8, _ = _blocks(path, kv_cache_dtype="fp8")
     bf16, _ = _blocks(path, dtype="bfloat16")
     assert int8 == fp8 and int8 >= 3.8 * f32 and int8 >= 1.9 * bf16, (f32, bf16, int8)
-    k_pages, v_pages, k_scales, v_scales = llm.llm_engine.runner.kv_pool.caches[0]
-    assert k_pages.dtype == jnp.int8 and k_scales.dtype == pk.SCALE_DTYPE
-    assert k_scales.shape == k_pages.shape[:3] == (2, int8, 16)
+    k_pages, v_pages, kv_scales = llm.llm_engine.runner.kv_pool.caches[0]
+    assert k_pages.dtype == jnp.int8 and kv_scales.dtype == jnp.uint32
+    assert k_pages.shape[:3] == (2, int8, 16) and kv_scales.shape == pk.quant.scales_shape(2, int8, 16)
 
 
 def _generate(path, tp, prompts, **kw):

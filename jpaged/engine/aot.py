@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+import jpaged_kernels
 from jpaged import sharding
 from jpaged.config import EngineConfig
 from jpaged.engine.startup import resolve_dtypes
@@ -117,7 +118,7 @@ def abstract_state(config: ModelConfig, mesh, *, dtype, quantization: str | None
 
 
 def abstract_caches(config: ModelConfig, mesh, *, num_blocks: int, block_size: int, kv_dtype):
-    specs = kv_pool.layer_specs(config.num_kv_heads, num_blocks, block_size, config.head_dim, kv_dtype)
+    specs = jpaged_kernels.pool.layer_arrays(config.num_kv_heads, num_blocks, block_size, config.head_dim, kv_dtype)
     layer = tuple(jax.ShapeDtypeStruct(shape, dt, sharding=sharding.kv_pool_sharding(mesh, len(shape)))
                   for shape, dt in specs)
     return [layer] * config.num_layers

@@ -8,10 +8,10 @@ attention; researchers can import it into their own decoder blocks.
 KV pool layout, per layer: ``k_pages`` and ``v_pages`` of shape
 ``[num_kv_heads, num_blocks, block_size, head_dim]``; slot ``s`` is block ``s // block_size``,
 offset ``s % block_size``. Heads lead so the pool shards on its first axis. With an 8-bit KV cache
-(``kv_cache_dtype`` "int8" or "fp8") a layer's cache is ``(k_pages, v_pages, k_scales, v_scales)``:
-int8 / float8_e4m3fn pages and bfloat16 scales ``[num_kv_heads, num_blocks, block_size]``, one per
-(token, kv head) (`jpaged_kernels.quant`); the write quantizes and attention dequantizes, on every
-backend. The cache tuple alone says which: a layer needs no setting of its own.
+(``kv_cache_dtype`` "int8" or "fp8") a layer's cache is ``(k_pages, v_pages, kv_scales)``: int8 /
+float8_e4m3fn pages and one uint32 word per (slot, kv head) holding its bfloat16 K and V scales
+(`jpaged_kernels.quant`); the write quantizes and attention dequantizes, on every backend. The
+cache tuple alone says which: a layer needs no setting of its own.
 
 A layer may have a ``sliding_window`` (a query at position p sees keys ``p - sliding_window < j
 <= p``) and a ``logits_soft_cap`` (each scaled score s becomes ``cap * tanh(s / cap)``, Gemma 2),
@@ -139,7 +139,7 @@ def xla_paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale, sl
     knobs = _set(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     # TODO(cpu-speed): windowed / soft-capped layers too, through cpu.paged_attention(...,
     # sliding_window=, logits_soft_cap=), once that branch is merged.
-    if not knobs and cpu.runs("paged_attention", q, k_pages, k_scales=scales.get("k_scales")):
+    if not knobs and cpu.runs("paged_attention", q, k_pages, k_scales=scales.get("kv_scales")):
         return cpu.paged_attention(q, k_pages, v_pages, md.block_tables, md.seq_lens, md.query_start_loc,
                                           md.num_seqs, scale=scale).astype(q.dtype)
     return jpaged_kernels.ragged_paged_attention_reference(
@@ -172,8 +172,8 @@ def pallas_write_kv(k_pages, v_pages, k_new, v_new, slot_mapping, **scales):
 
 
 # name -> (write(k_pages, v_pages, k, v, slot_mapping, **scales), attend(q, k_pages, v_pages, md, *,
-# scale, sliding_window=None, logits_soft_cap=None, **scales)); ``scales`` is ``k_scales=, v_scales=``
-# with 8-bit pages, else empty.
+# scale, sliding_window=None, logits_soft_cap=None, **scales)); ``scales`` is ``kv_scales=`` with
+# 8-bit pages, else empty.
 BACKENDS = {"xla": (jpaged_kernels.write_kv_reference, xla_paged_attention),
             "pallas": (pallas_write_kv, pallas_paged_attention)}
 
@@ -182,8 +182,8 @@ class PagedAttention(nnx.Module):
     """Writes K/V for this step's tokens into the paged cache and attends through block tables.
 
     Call with q [T, Hq, D], k and v [T, Hkv, D], this layer's ``(k_pages, v_pages)`` (or, 8-bit,
-    ``(k_pages, v_pages, k_scales, v_scales)``) and the step's `AttentionMetadata` (its group's);
-    returns the attention output [T, Hq, D] and the updated cache tuple.
+    ``(k_pages, v_pages, kv_scales)``) and the step's `AttentionMetadata` (its group's); returns
+    the attention output [T, Hq, D] and the updated cache tuple.
 
     ``sliding_window``: a query at position p attends the keys ``p - sliding_window < j <= p`` only;
     ``logits_soft_cap``: each scaled score s becomes ``cap * tanh(s / cap)``.
@@ -195,14 +195,7 @@ class PagedAttention(nnx.Module):
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         if backend not in BACKENDS:
             raise ValueError(f"attention backend {backend!r}: expected one of {sorted(BACKENDS)}")
-        jpaged_kernels.jnp.attention.check_knobs(sliding_window, logits_soft_cap)
-        knobs = _set(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
-        missing = [k for k in knobs if any(k not in inspect.signature(kernel).parameters for kernel in
-                                           (jpaged_kernels.paged_attention, jpaged_kernels.ragged_paged_attention))]
-        if backend == "pallas" and missing:
-            raise ValueError(f"attention_backend='pallas': these Pallas kernels have no {' or '.join(missing)} "
-                             "yet (a model with windowed or soft-capped attention runs with "
-                             "attention_backend='xla' until they do)")
+        jpaged_kernels.shapes.check_knobs(sliding_window, logits_soft_cap)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.backend = backend

@@ -1,9 +1,9 @@
 """The device KV pool and its host swap buffer, with the block moves a step asks for.
 
-A layer's cache is a tuple of pool arrays that all lead with ``[num_kv_heads, num_blocks,
-block_size]``: ``(k_pages, v_pages)``, or with 8-bit pages ``(k_pages, v_pages, k_scales,
-v_scales)``. Block moves treat every array alike, so scales always travel with their pages. The
-pool is split over the mesh's ``model`` axis on its head axis (tensor parallelism).
+A layer's cache is a tuple of pool arrays that all lead with ``[num_kv_heads, ...]``: ``(k_pages,
+v_pages)``, or with 8-bit pages ``(k_pages, v_pages, kv_scales)`` (`jpaged_kernels.pool`). Block
+moves go through `jpaged_kernels.pool`, so scale words always travel with their pages. The pool is
+split over the mesh's ``model`` axis on its head axis (tensor parallelism).
 
 Moves: copy-on-write copies (``copy_blocks``, one batched call per step), and swapping between
 the device pool and a host buffer of ``num_host_blocks`` blocks (filled only when a request is
@@ -21,15 +21,14 @@ from jpaged.utils import padded_ids
 
 def _gather_blocks(kv_caches, blocks):
     """The blocks of every layer: one [L, Hkv, len(blocks), block_size, ...] array per pool array
-    of a layer (K and V pages, then scales)."""
-    return tuple(jnp.stack([layer[i][:, blocks] for layer in kv_caches]) for i in range(len(kv_caches[0])))
+    of a layer (K and V pages, then scale words)."""
+    per_layer = [jpaged_kernels.pool.take_blocks(layer, blocks) for layer in kv_caches]
+    return tuple(jnp.stack(arrays) for arrays in zip(*per_layer))
 
 
 def _scatter_blocks(kv_caches, blocks, data):
     """Writes `_gather_blocks`'s ``data`` into ``blocks`` (negative ids: dropped)."""
-    nb = kv_caches[0][0].shape[1]
-    dst = jnp.where(blocks < 0, nb, blocks)
-    return [tuple(x.at[:, dst].set(d[i], mode="drop") for x, d in zip(layer, data))
+    return [jpaged_kernels.pool.put_blocks(layer, blocks, tuple(d[i] for d in data))
             for i, layer in enumerate(kv_caches)]
 
 
@@ -41,15 +40,6 @@ def _copy_blocks(kv_caches, src, dst):
         copy = sharding.shard_heads(copy, (sharding.POOL, sharding.REPLICATED, sharding.REPLICATED),
                                     sharding.POOL)
     return [copy(tuple(layer), src, dst) for layer in kv_caches]
-
-
-def layer_specs(num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int, dtype) -> list[tuple]:
-    """(shape, dtype) of each array of one layer's cache: K and V pages, then 8-bit pages' scales."""
-    pages = (num_kv_heads, num_blocks, block_size, head_dim)
-    arrays = [(pages, dtype)] * 2
-    if jpaged_kernels.quant.is_quantized(dtype):
-        arrays += [(pages[:3], jpaged_kernels.SCALE_DTYPE)] * 2
-    return arrays
 
 
 def bytes_per_block(*, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype,
@@ -77,7 +67,7 @@ class KVPool:
 
     def array_specs(self) -> list[tuple[tuple, object]]:
         """(shape, dtype) of each array of one layer's cache."""
-        return layer_specs(*self.shape, self.dtype)
+        return jpaged_kernels.pool.layer_arrays(*self.shape, self.dtype)
 
     def shardings(self):
         """The sharding of each array of every layer (the structure of `caches`)."""

@@ -17,19 +17,16 @@ Attention does work in proportion to each sequence's real context, not to the pa
   real ones (with a single batch, the longest chunk runs alone, so it never makes the short ones
   loop long). For a batch, a loop walks its block tables ``pages_per_compute_block`` blocks at a
   time with an online (flash) softmax; its trip count is ``ceil(longest context in the batch /
-  (pages * block_size))``, computed at run time. Both loop counts are dynamic
+  (pages * block_size))``, computed at run time. With a ``sliding_window`` each chunk starts at
+  the block holding its first visible key, so the trip count follows the window, not the context. Both loop counts are dynamic
   (``lax.while_loop``), so padding rows, an empty prefill part and unused block-table columns cost
   nothing, and none adds a shape to compile; sorted batches make each row's work track its own
   context, not the step's longest.
-* ``sliding_window`` (a query at position p sees keys ``p - sliding_window < j <= p``) starts
-  each chunk's loop at the block of its first visible key: blocks wholly before the window are
-  never read (their block-table entries may be anything), and the work follows the window, not
-  the context. ``logits_soft_cap`` turns each scaled score s into ``cap * tanh(s / cap)``.
 
 Layout (shared with the kernels):
     k_pages, v_pages: ``[num_kv_heads, num_blocks, block_size, head_dim]``.
-    k_scales, v_scales (8-bit pages only, see ``quant.py``): ``[num_kv_heads, num_blocks,
-    block_size]``; attention dequantizes the gathered pages.
+    kv_scales (8-bit pages only, see ``quant.py``): uint32 ``[num_kv_heads, scale_rows, 128]``;
+    attention dequantizes the gathered pages.
     block_tables: int32 ``[num_seqs, max_blocks_per_seq]``.
     Query head ``h`` reads kv head ``h // (num_q_heads // num_kv_heads)``.
 """
@@ -43,7 +40,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from jpaged_kernels import quant
-from jpaged_kernels.shapes import DEFAULT_MASK_VALUE, cdiv
+from jpaged_kernels.shapes import DEFAULT_MASK_VALUE, cdiv, check_knobs
 
 # CPU defaults, measured with scripts/benchmark_kernels.py (README "Kernels").
 PAGES_PER_STEP = 4       # blocks per online-softmax step
@@ -54,8 +51,7 @@ DECODE_ROWS = 8          # decode rows per batch
 
 def _attend_chunks(out, q, k_pages, v_pages, tables, first_token, first_pos,
                    length, num_chunks, *, width, rows, pages, scale,
-                   k_scales=None, v_scales=None, sliding_window=None,
-                   logits_soft_cap=None):
+                   kv_scales=None, sliding_window=None, logits_soft_cap=None):
     """Writes the attention of ``num_chunks`` query chunks into ``out``.
 
     Args:
@@ -65,12 +61,13 @@ def _attend_chunks(out, q, k_pages, v_pages, tables, first_token, first_pos,
         sequence.
       first_token, first_pos, length: int32 ``[C]``: chunk ``c`` is the
         ``length[c]`` flat tokens from ``first_token[c]``, at positions
-        ``first_pos[c] + i``; each attends causally to keys ``0 .. position``.
+        ``first_pos[c] + i``; each attends causally to keys ``0 .. position``
+        (the last ``sliding_window`` of them with a window).
         Real chunks come first, longest context first.
       num_chunks: int32 scalar; chunks at/after it are not computed.
       width: static chunk width (>= every length).
       rows: most chunks per batch; pages: blocks per online-softmax step.
-      k_scales, v_scales: None, or the scales of 8-bit pages.
+      kv_scales: None, or the scale words of 8-bit pages (``quant.py``).
       sliding_window, logits_soft_cap: as in `ragged_paged_attention_reference`.
 
     Returns:
@@ -86,9 +83,9 @@ def _attend_chunks(out, q, k_pages, v_pages, tables, first_token, first_pos,
     looped = num_max > rows
     pad = lambda x: jnp.pad(x, ((0, -num_max % rows if looped else 0),)  # noqa: E731
                             + ((0, 0),) * (x.ndim - 1))
-    tables = jnp.pad(tables, ((0, 0), (0, -tables.shape[1] % pages)))
     tables, first_token, first_pos, length = map(
         pad, (tables, first_token, first_pos, length))
+    words = None if kv_scales is None else quant.block_words(kv_scales, bs)
 
     def batch(start, size, b, out):
         take = lambda x: lax.dynamic_slice_in_dim(x, start + b * size, size)  # noqa: E731
@@ -98,7 +95,8 @@ def _attend_chunks(out, q, k_pages, v_pages, tables, first_token, first_pos,
         tokens = jnp.where(valid, first[:, None] + offsets, num_tokens)
         q_pos = pos0[:, None] + offsets                                # [R, W]
         kv_len = jnp.where(n > 0, pos0 + n, 0)                         # [R]
-        first_page = jnp.zeros_like(kv_len)  # each chunk from its first visible key's block
+        # Each chunk reads from the block holding its first visible key.
+        first_page = jnp.zeros_like(kv_len)
         if sliding_window is not None:
             first_page = jnp.where(n > 0, jnp.maximum(pos0 - sliding_window + 1, 0) // bs, 0)
         kv_start = first_page * bs                                     # [R]
@@ -109,18 +107,15 @@ def _attend_chunks(out, q, k_pages, v_pages, tables, first_token, first_pos,
 
         def step(j, carry):
             m_prev, l_prev, acc_prev = carry
-            cols = first_page[:, None] + j * pages + jnp.arange(pages)    # [R, P]
+            cols = first_page[:, None] + j * pages + jnp.arange(pages)  # [R, P]
             ids = jnp.take_along_axis(table, jnp.minimum(cols, table.shape[1] - 1), axis=1)
             k = k_pages[:, ids].reshape(hkv, size, bk, d).astype(jnp.float32)
             v = v_pages[:, ids].reshape(hkv, size, bk, d).astype(jnp.float32)
-            if k_scales is not None:  # 8-bit pages: one scale per (head, token)
-                k = k * k_scales[:, ids].reshape(hkv, size, bk, 1).astype(jnp.float32)
-                v = v * v_scales[:, ids].reshape(hkv, size, bk, 1).astype(jnp.float32)
+            if words is not None:  # 8-bit pages: one scale per (head, token)
+                k_scale, v_scale = quant.unpack_scales(words[:, ids].reshape(hkv, size, bk, 1))
+                k, v = k * k_scale, v * v_scale
             k_pos = kv_start[:, None] + j * bk + jnp.arange(bk, dtype=jnp.int32)  # [R, K]
-            seen = k_pos < kv_len[:, None]
-            if sliding_window is not None:  # keys before the earliest query's window
-                seen &= k_pos > pos0[:, None] - sliding_window
-            v = jnp.where(seen[None, :, :, None], v, 0.0)
+            v = jnp.where((k_pos < kv_len[:, None])[None, :, :, None], v, 0.0)
             s = jnp.einsum("hrqd,hrkd->hrqk", qb, k) * scale            # [H,R,G*W,K]
             if logits_soft_cap is not None:
                 s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
@@ -140,7 +135,8 @@ def _attend_chunks(out, q, k_pages, v_pages, tables, first_token, first_pos,
         init = (jnp.full(shape + (1,), -jnp.inf, jnp.float32),
                 jnp.zeros(shape + (1,), jnp.float32),
                 jnp.zeros(shape + (d,), jnp.float32))
-        _, l, acc = lax.fori_loop(0, cdiv(jnp.max(kv_len - kv_start), bk), step, init)
+        num_steps = cdiv(jnp.max(kv_len - kv_start), bk)
+        _, l, acc = lax.fori_loop(0, num_steps, step, init)
         o = jnp.where(l > 0, acc / jnp.where(l > 0, l, 1.0), 0.0)
         o = o.reshape(hkv, size, group, width, d).transpose(1, 3, 0, 2, 4)
         o = o.reshape(size * width, hq, d)
@@ -158,9 +154,8 @@ def _attend_chunks(out, q, k_pages, v_pages, tables, first_token, first_pos,
 def ragged_attention(q, k_pages, v_pages, block_tables, seq_lens,
                      query_start_loc, num_seqs, *, scale,
                      prefill_chunk=PREFILL_CHUNK, pages=PAGES_PER_STEP,
-                     prefill_batch=PREFILL_BATCH, k_scales=None,
-                     v_scales=None, decode_attention=None, sliding_window=None,
-                     logits_soft_cap=None):
+                     prefill_batch=PREFILL_BATCH, kv_scales=None,
+                     sliding_window=None, logits_soft_cap=None, decode_attention=None):
     """The work split of the module docstring; arguments as in
     `ragged_paged_attention_reference`."""
     num_tokens = q.shape[0]
@@ -183,7 +178,7 @@ def ragged_attention(q, k_pages, v_pages, block_tables, seq_lens,
             jnp.zeros(q.shape, jnp.float32), q, k_pages, v_pages, tables[order],
             qsl[order], seq_lens[order] - 1, is_decode[order].astype(jnp.int32),
             jnp.sum(is_decode), width=1, rows=DECODE_ROWS, pages=pages,
-            scale=scale, k_scales=k_scales, v_scales=v_scales, **knobs)
+            scale=scale, kv_scales=kv_scales, **knobs)
 
     # Prefill: chunks of `prefill_chunk` tokens, longest context first.
     # Sequence s has ceil(q_len / W) of them; the static count bounds every
@@ -201,15 +196,7 @@ def ragged_attention(q, k_pages, v_pages, block_tables, seq_lens,
     return _attend_chunks(
         out, q, k_pages, v_pages, tables[seq][order], (qsl[seq] + offset)[order],
         first_pos[order], length[order], ends[-1], width=w, rows=prefill_batch,
-        pages=pages, scale=scale, k_scales=k_scales, v_scales=v_scales, **knobs)
-
-
-def check_knobs(sliding_window, logits_soft_cap) -> None:
-    """ValueError for a window that is not a positive key count or a cap that is not positive."""
-    if sliding_window is not None and not (isinstance(sliding_window, int) and sliding_window >= 1):
-        raise ValueError(f"sliding_window={sliding_window!r}: expected a positive number of keys or None")
-    if logits_soft_cap is not None and not logits_soft_cap > 0:
-        raise ValueError(f"logits_soft_cap={logits_soft_cap!r}: expected a positive cap or None")
+        pages=pages, scale=scale, kv_scales=kv_scales, **knobs)
 
 
 def paged_attention_reference(
@@ -221,8 +208,7 @@ def paged_attention_reference(
     *,
     scale: float,
     pages_per_compute_block: int | None = None,
-    k_scales: jax.Array | None = None,
-    v_scales: jax.Array | None = None,
+    kv_scales: jax.Array | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     backend: str | None = None,
@@ -234,15 +220,14 @@ def paged_attention_reference(
       q: ``[num_seqs, num_q_heads, head_dim]``.
       k_pages, v_pages: ``[num_kv_heads, num_blocks, block_size, head_dim]``.
       block_tables: int32 ``[num_seqs, max_blocks_per_seq]``.
-      seq_lens: int32 ``[num_seqs]``; query ``s`` attends to positions
-        ``0 .. seq_lens[s] - 1``. Zero gives a zero output row.
+      seq_lens: int32 ``[num_seqs]``; query ``s`` sits at position ``seq_lens[s] - 1`` and
+        attends to positions ``0 .. seq_lens[s] - 1``. Zero gives a zero output row.
       scale: softmax scale applied to ``q @ k``.
       pages_per_compute_block: blocks per online-softmax step (default
         ``PAGES_PER_STEP``).
-      k_scales, v_scales: ``[num_kv_heads, num_blocks, block_size]`` with
-        8-bit pages (``quant.py``), else None.
-      sliding_window, logits_soft_cap: as in
-        `ragged_paged_attention_reference`.
+      kv_scales: the scale words of 8-bit pages (``quant.py``), else None.
+      sliding_window: None, or a query at position ``p`` sees only keys ``j > p - sliding_window``.
+      logits_soft_cap: None, or the scaled logits ``s`` become ``cap * tanh(s / cap)``.
       backend, interpret: ignored (kernel knobs).
 
     Returns:
@@ -253,9 +238,8 @@ def paged_attention_reference(
     qsl = jnp.arange(num_seqs + 1, dtype=jnp.int32)
     return ragged_paged_attention_reference(
         q, k_pages, v_pages, block_tables, seq_lens, qsl, num_seqs, scale=scale,
-        pages_per_compute_block=pages_per_compute_block, k_scales=k_scales,
-        v_scales=v_scales, sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap)
+        pages_per_compute_block=pages_per_compute_block, kv_scales=kv_scales,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
 
 
 def ragged_paged_attention_reference(
@@ -270,11 +254,10 @@ def ragged_paged_attention_reference(
     scale: float,
     num_queries_per_block: int | None = None,
     pages_per_compute_block: int | None = None,
-    k_scales: jax.Array | None = None,
-    v_scales: jax.Array | None = None,
-    decode_attention=None,
+    kv_scales: jax.Array | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    decode_attention=None,
     backend: str | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -294,17 +277,16 @@ def ragged_paged_attention_reference(
         ``PREFILL_CHUNK``).
       pages_per_compute_block: blocks per online-softmax step (default
         ``PAGES_PER_STEP``).
-      k_scales, v_scales: ``[num_kv_heads, num_blocks, block_size]`` with
-        8-bit pages (``quant.py``), else None.
+      kv_scales: the scale words of 8-bit pages (``quant.py``), else None.
+      sliding_window: None, or a query at position ``p`` sees only keys ``j > p -
+        sliding_window`` (as transformers' sliding-window mask); blocks wholly before a chunk's
+        window are not read.
+      logits_soft_cap: None, or the scaled logits ``s = scale * q.k`` become ``cap * tanh(s /
+        cap)`` (Gemma 2).
       decode_attention: None (the jnp loops), or a function with this
-        function's leading arguments and ``scale=`` that returns every decode
-        row's attention and zeros elsewhere (``cpu_kernels.paged_decode``);
-        it is given the two knobs below when they are set.
-      sliding_window: None, or a query at position ``p`` attends only the
-        keys ``j`` with ``p - sliding_window < j <= p`` (blocks wholly before
-        that are not read).
-      logits_soft_cap: None, or each scaled score ``s = scale * q.k``
-        becomes ``cap * tanh(s / cap)`` (Gemma 2).
+        function's leading arguments and ``scale=`` (and the two knobs above when they are set)
+        that returns every decode row's attention and zeros elsewhere
+        (``cpu_kernels.paged_decode``).
       backend, interpret: ignored (kernel knobs).
 
     Returns:
@@ -313,12 +295,12 @@ def ragged_paged_attention_reference(
       causally; padding rows are zeros.
     """
     del backend, interpret
-    quant.pools_of(k_pages, v_pages, k_scales, v_scales)
+    quant.pools_of(k_pages, v_pages, kv_scales)
     check_knobs(sliding_window, logits_soft_cap)
     out = ragged_attention(
         q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, num_seqs,
         scale=scale, prefill_chunk=num_queries_per_block or PREFILL_CHUNK,
-        pages=pages_per_compute_block or PAGES_PER_STEP, k_scales=k_scales,
-        v_scales=v_scales, decode_attention=decode_attention,
-        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+        pages=pages_per_compute_block or PAGES_PER_STEP, kv_scales=kv_scales,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        decode_attention=decode_attention)
     return out.astype(q.dtype)

@@ -9,14 +9,23 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jpaged_kernels import quant
-
+from jpaged_kernels import pool, quant
 
 
 def write_slots(pools, rows, slot_mapping):
-    """Writes ``rows[i] [num_tokens, num_kv_heads, ...]`` into the slots of
-    ``pools[i] [num_kv_heads, num_blocks, block_size, ...]``; negative slots are
-    skipped."""
+    """Writes ``rows`` into the slots of ``pools`` (`quant.pools_and_rows`'s pair); negative
+    slots are skipped.
+
+    Args:
+      pools: ``(k_pages, v_pages)`` ``[num_kv_heads, num_blocks, block_size, head_dim]``, then
+        with 8-bit pages ``kv_scales``.
+      rows: ``[num_tokens, num_kv_heads, head_dim]`` for each page array, then the scale words
+        ``[num_tokens, num_kv_heads]``.
+      slot_mapping: int32 ``[num_tokens]``.
+
+    Returns:
+      The updated pools.
+    """
     kvh, num_blocks, bs = pools[0].shape[:3]
     num_slots = num_blocks * bs
     slots = jnp.where(slot_mapping >= 0, slot_mapping, num_slots)  # OOB: dropped
@@ -26,7 +35,13 @@ def write_slots(pools, rows, slot_mapping):
         new = jnp.swapaxes(new, 0, 1).astype(pages.dtype)
         return flat.at[:, slots].set(new, mode="drop").reshape(pages.shape)
 
-    return tuple(map(write, pools, rows))
+    out = tuple(map(write, pools[:2], rows[:2]))
+    if len(pools) > 2:
+        kv_scales = pools[2]
+        row = jnp.where(slot_mapping >= 0, slot_mapping // quant.LANES, kv_scales.shape[1])
+        out += (kv_scales.at[:, row, slot_mapping % quant.LANES].set(
+            rows[2].T.astype(kv_scales.dtype), mode="drop"),)
+    return out
 
 
 def write_kv_reference(
@@ -36,8 +51,7 @@ def write_kv_reference(
     v_new: jax.Array,
     slot_mapping: jax.Array,
     *,
-    k_scales: jax.Array | None = None,
-    v_scales: jax.Array | None = None,
+    kv_scales: jax.Array | None = None,
     backend: str | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, ...]:
@@ -48,30 +62,25 @@ def write_kv_reference(
       k_new, v_new: ``[num_tokens, num_kv_heads, head_dim]``.
       slot_mapping: int32 ``[num_tokens]``, ``block_id * block_size + offset``
         or negative for padding.
-      k_scales, v_scales: with 8-bit pages, their ``[num_kv_heads, num_blocks,
-        block_size]`` scales: the rows are quantized per (token, head) first
-        (``quant.quantize``).
+      kv_scales: with 8-bit pages, their scale words (``quant.py``): the rows are quantized
+        per (token, head) first (``quant.quantize``).
       backend, interpret: ignored (kernel knobs).
 
     Returns:
-      The updated ``(k_pages, v_pages)``, or ``(k_pages, v_pages, k_scales,
-      v_scales)`` with scales.
+      The updated ``(k_pages, v_pages)``, or ``(k_pages, v_pages, kv_scales)`` with scales.
     """
     del backend, interpret
-    pools, rows = quant.pools_and_rows(k_pages, v_pages, k_new, v_new, k_scales,
-                                       v_scales)
+    pools, rows = quant.pools_and_rows(k_pages, v_pages, k_new, v_new, kv_scales)
     return write_slots(pools, rows, slot_mapping)
 
 
 def copy_pool_blocks(pools, src, dst):
-    """Copies block ``src[i]`` to ``dst[i]`` in every array of ``pools`` (each
-    ``[num_kv_heads, num_blocks, ...]``); pairs with a negative id are skipped."""
-    num_blocks = pools[0].shape[1]
+    """Copies block ``src[i]`` to ``dst[i]`` in every array of ``pools`` (pages, then 8-bit
+    pages' scale words); pairs with a negative id are skipped."""
     ok = (src >= 0) & (dst >= 0)
     src = jnp.where(ok, src, 0)
-    dst = jnp.where(ok, dst, num_blocks)  # out of bounds: dropped
-    return tuple(pages.at[:, dst].set(pages[:, src], mode="drop")
-                 for pages in pools)
+    blocked = pool.take_blocks(pools, src)
+    return pool.put_blocks(pools, jnp.where(ok, dst, -1), blocked)
 
 
 def copy_blocks_reference(
@@ -80,8 +89,7 @@ def copy_blocks_reference(
     src: jax.Array,
     dst: jax.Array,
     *,
-    k_scales: jax.Array | None = None,
-    v_scales: jax.Array | None = None,
+    kv_scales: jax.Array | None = None,
     backend: str | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, ...]:
@@ -94,13 +102,11 @@ def copy_blocks_reference(
     Args:
       k_pages, v_pages: ``[num_kv_heads, num_blocks, block_size, head_dim]``.
       src, dst: int32 ``[num_copies]``.
-      k_scales, v_scales: ``[num_kv_heads, num_blocks, block_size]`` with 8-bit
-        pages, else None.
+      kv_scales: the scale words of 8-bit pages (``quant.py``), else None.
       backend, interpret: ignored (kernel knobs).
 
     Returns:
       The updated ``(k_pages, v_pages)`` (and scales, when given).
     """
     del backend, interpret
-    return copy_pool_blocks(quant.pools_of(k_pages, v_pages, k_scales, v_scales),
-                            src, dst)
+    return copy_pool_blocks(quant.pools_of(k_pages, v_pages, kv_scales), src, dst)

@@ -2,25 +2,27 @@
 
 Pool layout: ``k_pages``/``v_pages`` are ``[num_kv_heads, num_blocks,
 block_size, head_dim]``; slot ``= block_id * block_size + offset``. With
-int8/float8_e4m3fn pages the pool also has ``k_scales``/``v_scales``
-``[num_kv_heads, num_blocks, block_size]`` (``quant.py``): ``write_kv``
-quantizes each new row per (token, head) and writes values and scale;
-``copy_blocks`` moves scales with their blocks. Both kernels handle any number
-of pool arrays that lead with ``[num_kv_heads, num_blocks, block_size]``.
+int8/float8_e4m3fn pages the pool also has ``kv_scales`` (uint32 ``[num_kv_heads,
+scale_rows, 128]``, one word per slot, ``quant.py``): ``write_kv`` quantizes each
+new row per (token, head) and writes values and scale word; ``copy_blocks``
+moves the words with their blocks.
 
 Both ops alias the pools to their outputs (``input_output_aliases``), so
 inside a jitted step that donates the pool (``donate_argnums``) they update it
 in place; without donation XLA inserts one copy of the pool.
 
 Backends (``backend=``, same rules as ``paged_attention.py``):
-  * ``"tpu"``: Mosaic. All operands stay in HBM (``pl.ANY``); the slot ids
-    (or block ids) are scalar-prefetch operands, and each token's row of
-    every head (or each block of every head) of every pool array is moved
-    with one strided HBM->HBM DMA. All DMAs are started, then all are waited
-    on, so they overlap; entries with a negative id start no DMA.
-  * ``"gpu"``: Triton. Grid ``(num_tokens | num_copies, num_kv_heads)``; each
-    program loads one ``[head_dim]`` row (or ``[block_size, head_dim]`` block)
-    and stores it through the aliased pool, skipping negative ids.
+  * ``"tpu"``: Mosaic (``tpu_cache_ops.py``). ``write_kv`` sorts the write by
+    slot and read-modify-writes each touched tile of rows (and 128-word row of
+    scale words) once, with double-buffered DMAs: a TPU DMA moves whole tiles
+    of 16- and 8-bit arrays, so a single row of a bfloat16 or int8 page cannot
+    be written alone. ``copy_blocks`` moves each block of every head with one
+    strided HBM->HBM DMA, all in flight together.
+  * ``"gpu"``: Triton. ``write_kv``: grid ``(num_tokens, num_kv_heads)``; each
+    program stores one ``[head_dim]`` row (and scale word) through the aliased
+    pool, skipping negative slots. ``copy_blocks``: grid ``(num_copies,
+    num_kv_heads, chunks)``; each program copies ``block_size / chunks`` rows
+    of a block (chunks keep a program's tile in registers).
     ``head_dim`` and ``block_size`` must be powers of two.
   * ``"xla"``: scatter (``jnp/cache_ops.py``); the auto choice on CPU/ROCm.
 
@@ -35,17 +37,32 @@ import functools
 import jax
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
 from jpaged_kernels import quant
 from jpaged_kernels.jnp import cache_ops as jnp_cache_ops
-from jpaged_kernels.pallas.common import dispatch, gpu_call, tpu_call
+from jpaged_kernels.pallas.common import dispatch, gpu_call
+from jpaged_kernels.pallas.tpu_cache_ops import copy_blocks_tpu, write_kv_tpu
 from jpaged_kernels.shapes import check_pools, is_power_of_2
+
+# Elements of a page a Triton copy program moves: 16 KiB of float32 over 4 warps.
+_GPU_COPY_ELEMENTS = 4096
 
 
 def _gpu_ok(k_pages):
     return is_power_of_2(k_pages.shape[-1]) and is_power_of_2(k_pages.shape[2])
+
+
+def _pool_shapes(pools):
+    return [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in pools]
+
+
+def _gpu_views(pools):
+    """Pages as they are, scale words as ``[num_kv_heads, blocks, block_size]`` (free reshapes
+    on GPU) and a function that turns the views back."""
+    block_size = pools[0].shape[2]
+    views = [x if i < 2 else quant.block_words(x, block_size) for i, x in enumerate(pools)]
+    return views, lambda outs: tuple(o.reshape(x.shape) for o, x in zip(outs, pools))
 
 
 # ---------------------------------------------------------------------------
@@ -53,60 +70,8 @@ def _gpu_ok(k_pages):
 # ---------------------------------------------------------------------------
 
 
-def _pool_shapes(pools):
-    return [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in pools]
-
-
-def _write_kv_tpu_kernel(slot_ref, *refs):
-    # refs: n rows [num_kv_heads, num_tokens, ...] (HBM), n pools (aliased to
-    # the outputs, unused), n output pools, the DMA semaphore.
-    n = (len(refs) - 1) // 3
-    rows, outs, sem = refs[:n], refs[2 * n:3 * n], refs[-1]
-    num_tokens = rows[0].shape[1]
-    block_size = outs[0].shape[2]
-
-    def copies(t):
-        slot = slot_ref[t]
-        block, offset = lax.div(slot, block_size), lax.rem(slot, block_size)
-        return slot >= 0, [
-            pltpu.make_async_copy(src.at[:, pl.ds(t, 1)],
-                                  dst.at[:, block, pl.ds(offset, 1)], sem)
-            for src, dst in zip(rows, outs)]
-
-    def run(method):
-        def body(t, carry):
-            valid, group = copies(t)
-
-            @pl.when(valid)
-            def _():
-                for c in group:
-                    getattr(c, method)()
-            return carry
-        lax.fori_loop(0, num_tokens, body, 0)
-
-    run("start")
-    run("wait")
-
-
-def _write_kv_tpu(slot_mapping, *arrays, interpret):
-    n = len(arrays) // 2
-    pools, rows = arrays[:n], arrays[n:]
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    return tpu_call(
-        _write_kv_tpu_kernel, grid=(1,), num_scalar_prefetch=1,
-        in_specs=[any_spec] * (2 * n), out_specs=[any_spec] * n,
-        out_shape=_pool_shapes(pools),
-        scratch_shapes=[pltpu.SemaphoreType.DMA(())], parallel=False,
-        # Operand indices count the scalar-prefetch operand.
-        aliases={1 + n + i: i for i in range(n)}, interpret=interpret,
-        name="write_kv_tpu",
-    )(slot_mapping.astype(jnp.int32),
-      *[jnp.swapaxes(r, 0, 1).astype(x.dtype) for r, x in zip(rows, pools)],
-      *pools)
-
-
 def _write_kv_gpu_kernel(slot_ref, *refs):
-    # refs: n rows of (token t, head h) ([head_dim], or [1] for a scale), n
+    # refs: n rows of (token t, head h) ([head_dim], or [1] for a scale word), n
     # pools (aliased, unused), n output pools (whole).
     n = len(refs) // 3
     rows, outs = refs[:n], refs[2 * n:]
@@ -120,30 +85,32 @@ def _write_kv_gpu_kernel(slot_ref, *refs):
         for row, out in zip(rows, outs):
             if out.ndim == 4:
                 out[h, block, offset, :] = row[...]
-            else:  # a scale: [num_kv_heads, num_blocks, block_size]
+            else:  # scale words: [num_kv_heads, blocks, block_size]
                 out[h, block, pl.ds(offset, 1)] = row[...]
 
 
 def _write_kv_gpu(slot_mapping, *arrays, interpret):
     n = len(arrays) // 2
     pools, rows = arrays[:n], arrays[n:]
+    views, unview = _gpu_views(pools)
     num_tokens, num_kv_heads = rows[0].shape[:2]
-    # Scale rows get a trailing axis of 1 (Triton blocks are never 0-d).
+    # Scale words get a trailing axis of 1 (Triton blocks are never 0-d).
     rows = [(r if r.ndim == 3 else r[..., None]).astype(x.dtype)
-            for r, x in zip(rows, pools)]
+            for r, x in zip(rows, views)]
     row_specs = [pl.BlockSpec((None, None, r.shape[-1]), lambda t, h: (t, h, 0))
                  for r in rows]
     pool_specs = [pl.BlockSpec(x.shape, lambda t, h, nd=x.ndim: (0,) * nd)
-                  for x in pools]
-    return gpu_call(
+                  for x in views]
+    out = gpu_call(
         _write_kv_gpu_kernel, grid=(num_tokens, num_kv_heads),
         in_specs=[pl.BlockSpec(slot_mapping.shape, lambda t, h: (0,)),
                   *row_specs, *pool_specs],
-        out_specs=pool_specs, out_shape=_pool_shapes(pools),
+        out_specs=pool_specs, out_shape=_pool_shapes(views),
         num_warps=1, num_stages=1,
         aliases={1 + n + i: i for i in range(n)},
         interpret=interpret, name="write_kv_gpu",
-    )(slot_mapping.astype(jnp.int32), *rows, *pools)
+    )(slot_mapping.astype(jnp.int32), *rows, *views)
+    return unview(out)
 
 
 def _write_kv_xla(slot_mapping, *arrays):
@@ -159,8 +126,7 @@ def write_kv(
     v_new: jax.Array,
     slot_mapping: jax.Array,
     *,
-    k_scales: jax.Array | None = None,
-    v_scales: jax.Array | None = None,
+    kv_scales: jax.Array | None = None,
     backend: str | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, ...]:
@@ -172,15 +138,15 @@ def write_kv(
         dtype).
       slot_mapping: int32 ``[num_tokens]``; negative slots are padding and
         skipped.
-      k_scales, v_scales: with int8/float8_e4m3fn pages, their ``[num_kv_heads,
-        num_blocks, block_size]`` scales; each new row is quantized with its
-        own scale (``quant.quantize``) and both are written.
+      kv_scales: with int8/float8_e4m3fn pages, their scale words (``quant.py``);
+        each new row is quantized with its own scale (``quant.quantize``) and
+        both are written.
       backend: ``None``/``"auto"``, ``"tpu"``, ``"gpu"`` or ``"xla"``.
       interpret: run the Pallas kernel in interpret mode (any host).
 
     Returns:
-      The updated ``(k_pages, v_pages)`` (then ``k_scales, v_scales`` when
-      given), aliasing the inputs.
+      The updated ``(k_pages, v_pages)`` (then ``kv_scales`` when given),
+      aliasing the inputs.
     """
     check_pools(k_pages, v_pages)
     num_kv_heads, _, _, head_dim = k_pages.shape
@@ -190,9 +156,8 @@ def write_kv(
         raise ValueError("k_new/v_new must be [num_tokens, num_kv_heads, "
                          "head_dim] and slot_mapping [num_tokens]; got "
                          f"{k_new.shape}, {v_new.shape}, {slot_mapping.shape}")
-    pools, rows = quant.pools_and_rows(k_pages, v_pages, k_new, v_new, k_scales,
-                                       v_scales)
-    impl = dispatch(backend, interpret, tpu=_write_kv_tpu,
+    pools, rows = quant.pools_and_rows(k_pages, v_pages, k_new, v_new, kv_scales)
+    impl = dispatch(backend, interpret, tpu=write_kv_tpu,
                     gpu=_write_kv_gpu if _gpu_ok(k_pages) else None,
                     xla=_write_kv_xla)
     return tuple(impl(slot_mapping, *pools, *rows))
@@ -203,65 +168,35 @@ def write_kv(
 # ---------------------------------------------------------------------------
 
 
-def _copy_blocks_tpu_kernel(src_ref, dst_ref, *refs):
-    # refs: n pools (aliased, unused), n output pools, the DMA semaphore.
-    n = (len(refs) - 1) // 2
-    outs, sem = refs[n:2 * n], refs[-1]
-    num_copies = src_ref.shape[0]
-
-    def run(method):
-        def body(i, carry):
-            src, dst = src_ref[i], dst_ref[i]
-
-            @pl.when((src >= 0) & (dst >= 0))
-            def _():
-                for pages in outs:
-                    copy = pltpu.make_async_copy(pages.at[:, src], pages.at[:, dst], sem)
-                    getattr(copy, method)()
-            return carry
-        lax.fori_loop(0, num_copies, body, 0)
-
-    run("start")
-    run("wait")
-
-
-def _copy_blocks_tpu(src, dst, *pools, interpret):
-    n = len(pools)
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    return tpu_call(
-        _copy_blocks_tpu_kernel, grid=(1,), num_scalar_prefetch=2,
-        in_specs=[any_spec] * n, out_specs=[any_spec] * n,
-        out_shape=_pool_shapes(pools),
-        scratch_shapes=[pltpu.SemaphoreType.DMA(())], parallel=False,
-        aliases={2 + i: i for i in range(n)}, interpret=interpret,
-        name="copy_blocks_tpu",
-    )(src.astype(jnp.int32), dst.astype(jnp.int32), *pools)
-
-
 def _copy_blocks_gpu_kernel(src_ref, dst_ref, *refs):
     outs = refs[len(refs) // 2:]
-    i, h = pl.program_id(0), pl.program_id(1)
+    i, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     src, dst = src_ref[i], dst_ref[i]
+    rows = outs[0].shape[2] // pl.num_programs(2)
 
     @pl.when((src >= 0) & (dst >= 0))
     def _():
         for pages in outs:
-            pages[h, dst] = pages[h, src]
+            part = pl.ds(c * rows, rows)
+            pages[h, dst, part] = pages[h, src, part]
 
 
 def _copy_blocks_gpu(src, dst, *pools, interpret):
     n = len(pools)
-    num_kv_heads = pools[0].shape[0]
-    ids_spec = pl.BlockSpec(src.shape, lambda i, h: (0,))
-    pool_specs = [pl.BlockSpec(x.shape, lambda i, h, nd=x.ndim: (0,) * nd)
-                  for x in pools]
-    return gpu_call(
-        _copy_blocks_gpu_kernel, grid=(src.shape[0], num_kv_heads),
+    views, unview = _gpu_views(pools)
+    num_kv_heads, _, block_size, head_dim = pools[0].shape
+    chunks = max(1, block_size * head_dim // _GPU_COPY_ELEMENTS)
+    ids_spec = pl.BlockSpec(src.shape, lambda i, h, c: (0,))
+    pool_specs = [pl.BlockSpec(x.shape, lambda i, h, c, nd=x.ndim: (0,) * nd)
+                  for x in views]
+    out = gpu_call(
+        _copy_blocks_gpu_kernel, grid=(src.shape[0], num_kv_heads, chunks),
         in_specs=[ids_spec, ids_spec, *pool_specs],
-        out_specs=pool_specs, out_shape=_pool_shapes(pools),
+        out_specs=pool_specs, out_shape=_pool_shapes(views),
         num_warps=4, num_stages=1, aliases={2 + i: i for i in range(n)},
         interpret=interpret, name="copy_blocks_gpu",
-    )(src.astype(jnp.int32), dst.astype(jnp.int32), *pools)
+    )(src.astype(jnp.int32), dst.astype(jnp.int32), *views)
+    return unview(out)
 
 
 def _copy_blocks_xla(src, dst, *pools):
@@ -275,13 +210,12 @@ def copy_blocks(
     src: jax.Array,
     dst: jax.Array,
     *,
-    k_scales: jax.Array | None = None,
-    v_scales: jax.Array | None = None,
+    kv_scales: jax.Array | None = None,
     backend: str | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, ...]:
     """Copies block ``src[i]`` to block ``dst[i]`` in every head of K and V
-    (and of their scales, with 8-bit pages).
+    (and their scale words, with 8-bit pages).
 
     Used for copy-on-write of shared blocks and for swap-in; one call carries
     all copies of a step.
@@ -290,23 +224,23 @@ def copy_blocks(
       k_pages, v_pages: ``[num_kv_heads, num_blocks, block_size, head_dim]``.
       src, dst: int32 ``[num_copies]`` block ids; a pair with a negative id is
         padding and skipped. Destinations must be distinct and not sources.
-      k_scales, v_scales: ``[num_kv_heads, num_blocks, block_size]`` with
-        int8/float8_e4m3fn pages, else None.
+      kv_scales: the scale words of int8/float8_e4m3fn pages (``quant.py``),
+        else None.
       backend: ``None``/``"auto"``, ``"tpu"``, ``"gpu"`` or ``"xla"``.
       interpret: run the Pallas kernel in interpret mode (any host).
 
     Returns:
-      The updated ``(k_pages, v_pages)`` (then the scales, when given),
+      The updated ``(k_pages, v_pages)`` (then ``kv_scales``, when given),
       aliasing the inputs.
     """
     check_pools(k_pages, v_pages)
-    pools = quant.pools_of(k_pages, v_pages, k_scales, v_scales)
+    pools = quant.pools_of(k_pages, v_pages, kv_scales)
     if src.ndim != 1 or src.shape != dst.shape:
         raise ValueError(f"src and dst must both be [num_copies]; got {src.shape} "
                          f"and {dst.shape}")
     if src.shape[0] == 0:
         return pools
-    impl = dispatch(backend, interpret, tpu=_copy_blocks_tpu,
+    impl = dispatch(backend, interpret, tpu=copy_blocks_tpu,
                     gpu=_copy_blocks_gpu if _gpu_ok(k_pages) else None,
                     xla=_copy_blocks_xla)
     return tuple(impl(src, dst, *pools))

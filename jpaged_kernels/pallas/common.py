@@ -1,5 +1,6 @@
-"""Helpers shared by the Pallas kernels: backend dispatch, the online-softmax update, TPU page
-copies and the two ``pallas_call`` set-ups (Mosaic TPU with scalar prefetch, Triton GPU).
+"""Helpers shared by the Pallas kernels: backend dispatch, the pallas_call set-ups (Mosaic TPU
+with scalar prefetch, Triton GPU), the attention masks and online-softmax update, and the TPU
+page copies with their 8-bit scale rows.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
+from jpaged_kernels import quant
 from jpaged_kernels.shapes import DEFAULT_MASK_VALUE, is_power_of_2
 
 # Pass to ``jax.export.export(..., disabled_checks=EXPORT_DISABLED_CHECKS)``
@@ -23,6 +25,11 @@ EXPORT_DISABLED_CHECKS = (
 )
 
 BACKENDS = (None, "auto", "tpu", "gpu", "xla")
+# Shared memory the Triton attention kernels give their pipelined K/V tiles (all stages): an
+# A100 lets a block opt in to 163 KiB, an H100 to 227 KiB; the rest is Triton's own scratch.
+GPU_KV_SMEM_BYTES = 96 * 1024
+# Elements of an 8-bit K (or V) tile a Triton program casts in registers without spilling.
+GPU_CAST_ELEMENTS = 32 * 128
 
 
 # ---------------------------------------------------------------------------
@@ -69,14 +76,12 @@ def dispatch(
 
 
 def with_scale_args(reference_fn, num_leading: int, **kw):
-    """``reference_fn`` called with the scales of 8-bit pages as trailing
-    positional arguments after ``num_leading`` others (how ``dispatch`` passes
-    them: ``lax.platform_dependent`` takes positional operands only), turned
-    into its ``k_scales=``/``v_scales=`` keywords."""
+    """``reference_fn`` called with the scale words of 8-bit pages as a trailing positional
+    argument after ``num_leading`` others (how ``dispatch`` passes them:
+    ``lax.platform_dependent`` takes positional operands only), turned into ``kv_scales=``."""
     def call(*args):
         lead, scales = args[:num_leading], args[num_leading:]
-        extra = dict(k_scales=scales[0], v_scales=scales[1]) if scales else {}
-        return reference_fn(*lead, **kw, **extra)
+        return reference_fn(*lead, **kw, **({"kv_scales": scales[0]} if scales else {}))
     return call
 
 
@@ -84,6 +89,23 @@ def gpu_supported(head_dim: int, block_size: int) -> bool:
     """Triton needs power-of-two tiles."""
     return (is_power_of_2(head_dim) and head_dim >= 16
             and is_power_of_2(block_size))
+
+
+def gpu_keys_per_step(head_dim: int, itemsize: int, block_size: int, pages: int,
+                      num_stages: int) -> int:
+    """Keys per online-softmax step of a Triton attention kernel: ``pages`` pages, fewer when
+    their K and V tiles in all pipeline stages would pass `GPU_KV_SMEM_BYTES` of shared memory,
+    or (8-bit pages, cast to the query dtype in registers) a K tile would pass
+    `GPU_CAST_ELEMENTS`; then possibly a part of one page. A power of two, at least 16 (a dot's
+    K dimension)."""
+    def too_big(keys):
+        smem = 2 * num_stages * keys * head_dim * itemsize > GPU_KV_SMEM_BYTES
+        return smem or (itemsize == 1 and keys * head_dim > GPU_CAST_ELEMENTS)
+
+    keys = pages * block_size
+    while keys > 16 and too_big(keys):
+        keys //= 2
+    return max(keys, 16)
 
 
 # ---------------------------------------------------------------------------
@@ -125,8 +147,23 @@ def gpu_call(kernel, *, grid, in_specs, out_specs, out_shape, num_warps=4,
 
 
 # ---------------------------------------------------------------------------
-# Online softmax (inside kernels).
+# Masks and the online softmax (inside kernels).
 # ---------------------------------------------------------------------------
+
+
+def window_start(position, sliding_window):
+    """First key a query at ``position`` sees: 0, or ``position - sliding_window + 1`` (>= 0)."""
+    if sliding_window is None:
+        return jnp.zeros_like(position)
+    return jnp.maximum(position - sliding_window + 1, 0)
+
+
+def visible(q_pos, k_pos, sliding_window):
+    """Causal (and sliding-window) mask: key ``k_pos`` is visible from ``q_pos``."""
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask
 
 
 def online_softmax_step(carry, logits, v, mask, v_scale=None):
@@ -169,48 +206,126 @@ def finalize_softmax(carry):
     return jnp.where(l > 0.0, acc / jnp.where(l > 0.0, l, 1.0), 0.0)
 
 
-def qk_logits(q, k, scale):
-    """``scale * q @ k.T`` in float32: q ``[n, d]``, k ``[t, d]``."""
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                        preferred_element_type=jnp.float32)
-    return s * scale
+def attend_block(carry, q, k, v, mask, scale, kv_scale_rows=None, logits_soft_cap=None):
+    """One online-softmax update of ``q [n, d]`` against a compute block's keys ``k [t, d]`` and
+    values ``v [t, d]``.
 
+    Args:
+      carry: see `online_softmax_step`.
+      mask: bool ``[n, t]``.
+      scale: softmax scale of ``q @ k``.
+      kv_scale_rows: None, or with 8-bit pages float32 ``(k_scale [1, t], v_scale [1, t])``: K
+        scales multiply the logits, V scales the softmax weights (pages are never dequantized);
+        V scales of keys that were not fetched must be zero.
+      logits_soft_cap: None, or the scaled logits ``s`` become ``cap * tanh(s / cap)``.
 
-def scale_row(scales, valid_len=None, start=0):
-    """``[pages, block_size]`` scales of a compute block as float32 ``[1, t]``
-    key-axis factors; with ``valid_len``, columns at/after it (pages that were
-    not fetched) are zero so that garbage never meets a zero weight."""
-    row = scales.astype(jnp.float32).reshape(1, -1)
-    if valid_len is not None:
-        cols = start + lax.broadcasted_iota(jnp.int32, row.shape, 1)
-        row = jnp.where(cols < valid_len, row, 0.0)
-    return row
-
-
-def attend_block(carry, q, k, v, mask, scale, kv_scales=None, kv_len=None, start=0):
-    """One online-softmax update of ``q`` against a compute block's keys ``k``
-    and values ``v`` (`qk_logits`, then `online_softmax_step`).
-
-    ``kv_scales``: None, or with 8-bit pages the block's ``(k_scales,
-    v_scales)``, each ``[pages, block_size]``: K scales multiply the logits, V
-    scales the softmax weights (pages are never dequantized); V scale columns
-    at/after ``kv_len`` (``start`` is the block's first key position) are zero.
+    Returns:
+      The new carry.
     """
-    logits = qk_logits(q, k, scale)
+    logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32) * scale
     v_scale = None
-    if kv_scales is not None:
-        logits = logits * scale_row(kv_scales[0])
-        v_scale = scale_row(kv_scales[1], kv_len, start)
+    if kv_scale_rows is not None:
+        logits = logits * kv_scale_rows[0]
+        v_scale = kv_scale_rows[1]
+    if logits_soft_cap is not None:
+        logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
     return online_softmax_step(carry, logits, v, mask, v_scale)
+
+
+def unpack_scale_row(words, cols, kv_end):
+    """float32 ``(k_scale, v_scale)`` rows of packed scale words ``[1, t]``; V scales at key
+    columns ``cols >= kv_end`` (pages not fetched) are zero."""
+    k_scale, v_scale = quant.unpack_scales(words)
+    return k_scale, jnp.where(cols < kv_end, v_scale, 0.0)
+
+
+# ---------------------------------------------------------------------------
+# Triton compute blocks.
+# ---------------------------------------------------------------------------
+
+
+def gpu_block(refs, table, page, row0, keys, head_dim):
+    """Keys ``[keys, head_dim]`` (or ``[1, keys]`` scale words) of a Triton compute block.
+
+    ``table(page, n)`` reads ``n`` block ids from table column ``page`` (``n`` None: one id). With
+    ``row0`` None the block is ``keys // block_size`` whole pages, else rows ``row0 .. row0 +
+    keys`` of one page.
+    """
+    if row0 is None:
+        block_size = refs[0].shape[1]
+        ids = table(page, keys // block_size)
+        loads = [ref[ids] for ref in refs]
+    else:
+        block_id = table(page, None)
+        loads = [ref[block_id, pl.ds(row0, keys)] for ref in refs]
+    return [x.reshape(keys, head_dim) if ref.ndim == 3 else x.reshape(1, keys)
+            for ref, x in zip(refs, loads)]
+
+
+def gpu_steps(kv_start, kv_end, block_size, keys):
+    """``(num_steps, locate)`` of a Triton kernel's loop over keys ``[kv_start,
+    kv_end)`` in steps of ``keys``: ``locate(step)`` gives ``(page offset in the table, row
+    offset in the page or None, first key position)``."""
+    first_page = lax.div(kv_start, block_size)
+    base = first_page * block_size
+    num_steps = pl.cdiv(jnp.maximum(kv_end - base, 0), keys)
+
+    def locate(step):
+        start = base + step * keys
+        if keys >= block_size:
+            return first_page + step * (keys // block_size), None, start
+        return lax.div(start, block_size), lax.rem(start, block_size), start
+
+    return num_steps, locate
+
+
+def gpu_pool_specs(k_pages, scales, index_map):
+    """BlockSpecs of one kv head's pages (and scale words seen as ``[blocks, block_size]``)."""
+    num_blocks, block_size, head_dim = k_pages.shape[1:]
+    specs = [pl.BlockSpec((None, num_blocks, block_size, head_dim),
+                          lambda *i: (index_map(*i), 0, 0, 0))] * 2
+    words = [quant.block_words(w, block_size) for w in scales]
+    specs += [pl.BlockSpec((None,) + w.shape[1:], lambda *i: (index_map(*i), 0, 0))
+              for w in words]
+    return specs, words
+
+
+def gpu_table(block_tables, pages):
+    """Block tables padded so that a step's slice of ``pages`` ids starting at any used page
+    stays in bounds."""
+    return jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pages)))
+
+
+# ---------------------------------------------------------------------------
+# TPU page copies.
+# ---------------------------------------------------------------------------
+
+
+def tpu_scale_buffer(pages_per_compute_block: int, block_size: int):
+    """VMEM scratch for the scale words of a compute block, double-buffered: one 128-word row of
+    ``kv_scales`` per page (a row holds ``128 / block_size`` pages' words), or ``block_size /
+    128`` rows."""
+    rows = max(1, block_size // quant.LANES)
+    return pltpu.VMEM((2, pages_per_compute_block, rows, quant.LANES), quant.SCALE_WORD_DTYPE)
+
+
+def _scale_rows_of(block_id, block_size):
+    """``(first row, rows)`` of ``kv_scales`` holding block ``block_id``'s words."""
+    if block_size >= quant.LANES:
+        rows = block_size // quant.LANES
+        return block_id * rows, rows
+    return lax.div(block_id * block_size, quant.LANES), 1
 
 
 class PageCopies:
     """Async copies of one compute block's pages of one kv head (TPU).
 
-    For each ``(hbm, buf)`` pair (K and V pages; and their scales with 8-bit
-    pages), copies ``hbm[head, block_id]`` for ``pages_per_compute_block``
-    block ids read from the block table in SMEM into ``buf.at[slot]``, on
-    semaphore ``sems[pair, slot]``. Page ``j`` is only copied (and waited on)
+    Copies ``k_pages[head, block_id]`` and ``v_pages[head, block_id]`` for
+    ``pages_per_compute_block`` block ids read from the block table in SMEM into
+    ``bufs[0|1].at[slot, j]`` (with 8-bit pages also the 128-word row(s) of
+    ``kv_scales`` holding the page's words into ``bufs[2].at[slot, j]``), on
+    semaphores ``sems[i, slot]``. Page ``j`` is only copied (and waited on)
     when ``first_page + j < num_pages``, so pages past a sequence's end are
     never fetched.
     """
@@ -218,13 +333,19 @@ class PageCopies:
     def __init__(self, hbm_refs, bufs, sems, block_tables_ref, table_offset,
                  first_page, num_pages, head, slot):
         self._copies = []
+        self.block_ids = []
+        self.block_size = block_size = bufs[0].shape[2]
         for j in range(bufs[0].shape[1]):
             page = first_page + j
-            page_in_table = jnp.minimum(page, num_pages - 1)
+            page_in_table = jnp.clip(page, 0, jnp.maximum(num_pages - 1, 0))
             block_id = block_tables_ref[table_offset + page_in_table]
-            group = [pltpu.make_async_copy(src.at[head, block_id], buf.at[slot, j],
-                                           sems.at[i, slot])
-                     for i, (src, buf) in enumerate(zip(hbm_refs, bufs))]
+            self.block_ids.append(block_id)
+            srcs = [hbm_refs[0].at[head, block_id], hbm_refs[1].at[head, block_id]]
+            if len(hbm_refs) > 2:
+                row, rows = _scale_rows_of(block_id, block_size)
+                srcs.append(hbm_refs[2].at[head, pl.ds(row, rows)])
+            group = [pltpu.make_async_copy(src, buf.at[slot, j], sems.at[i, slot])
+                     for i, (src, buf) in enumerate(zip(srcs, bufs))]
             self._copies.append((page < num_pages, group))
 
     def start(self):
@@ -240,3 +361,29 @@ class PageCopies:
             def _():
                 for c in group:
                     c.wait()
+
+    def scale_words(self, buf, slot):
+        """The compute block's scale words as one ``[1, pages * block_size]`` row, in key order.
+
+        ``buf`` is the scale buffer of `tpu_scale_buffer`; each page's words sit in its row at
+        lane ``(block_id * block_size) % 128`` and are rotated to the page's key columns.
+        """
+        _, ppcb, rows, lanes = buf.shape
+        block_size = self.block_size
+        if block_size >= lanes:
+            return jnp.concatenate([buf[slot, j, pl.ds(r, 1), :] for j in range(ppcb)
+                                    for r in range(rows)], axis=1)
+        per_row = lanes // block_size
+        lane_page = lax.div(lax.broadcasted_iota(jnp.int32, (1, lanes), 1), block_size)
+        chunks = []
+        for c in range(pl.cdiv(ppcb, per_row)):
+            chunk = jnp.zeros((1, lanes), buf.dtype)
+            for j in range(c * per_row, min((c + 1) * per_row, ppcb)):
+                src = lax.rem(self.block_ids[j] * block_size, lanes)
+                dst = (j % per_row) * block_size
+                shift = lax.rem(dst - src + lanes, lanes)
+                moved = pltpu.roll(buf[slot, j], shift, 1)
+                chunk = jnp.where(lane_page == j % per_row, moved, chunk)
+            chunks.append(chunk)
+        row = jnp.concatenate(chunks, axis=1) if len(chunks) > 1 else chunks[0]
+        return row[:, :ppcb * block_size]

@@ -13,12 +13,17 @@ Layout (shared by every kernel in this package):
   seq_lens: int32 ``[num_seqs]``.
   ``num_q_heads = num_kv_heads * group``; query head ``h`` reads kv head
   ``h // group``.
-  k_scales, v_scales (optional, with int8/float8_e4m3fn pages):
-    ``[num_kv_heads, num_blocks, block_size]``, fetched page by page with
-    K/V; a compute block's scales are one ``[1, pages * block_size]`` row
-    that multiplies the ``q @ k`` logits (K) and the softmax weights of the
-    PV product (V), so pages are only cast, never dequantized element-wise
-    (``quant.py``).
+  kv_scales (optional, with int8/float8_e4m3fn pages): uint32
+    ``[num_kv_heads, scale_rows, 128]``, one word per slot holding its K and V
+    scales (``quant.py``), fetched page by page with K/V; a compute block's
+    scales are one ``[1, pages * block_size]`` row that multiplies the
+    ``q @ k`` logits (K) and the softmax weights of the PV product (V), so
+    pages are only cast, never dequantized element-wise.
+
+Knobs: ``sliding_window`` (a query at position ``p`` sees keys ``j`` with
+``p - sliding_window < j <= p``) and ``logits_soft_cap`` (``cap * tanh(s /
+cap)`` on the scaled logits, Gemma 2). With a window the kernels start at the
+page holding the first visible key: work follows the window, not the context.
 
 Backends (``backend=``):
   * ``"tpu"``: Mosaic TPU. Grid ``(num_seqs, num_kv_heads)``, both parallel
@@ -26,11 +31,15 @@ Backends (``backend=``):
     ``seq_lens`` and the flattened block tables are scalar-prefetch operands
     (SMEM); K/V stay in HBM (``pl.ANY``) and each compute block's pages are
     DMA'd into a double-buffered VMEM scratch, the next block's copies in
-    flight while the current one is computed. Pages past the sequence end are
-    not fetched. All ``group`` query heads sharing a kv head are one
+    flight while the current one is computed. Pages past the sequence end (or
+    before its window) are not fetched; with 8-bit pages each page's scale
+    words come with one more DMA of the 128-word row holding them, and a lane
+    rotation puts them under the page's key columns. All ``group`` query heads sharing a kv head are one
     ``[group, head_dim]`` tile, so each page is read once per kv head.
   * ``"gpu"``: Triton (``pallas.triton``). Grid ``(num_seqs, num_kv_heads)``;
-    a program gathers ``pages_per_compute_block`` pages per step by block id.
+    a program gathers ``pages_per_compute_block`` pages per step by block id,
+    or fewer keys (part of a page) when the step's K/V tiles in every pipeline
+    stage would pass ``GPU_KV_SMEM_BYTES`` of shared memory.
     Triton rather than Mosaic GPU because (1) paged access is a gather by a
     vector of block ids, which Triton lowering supports directly, while
     Mosaic GPU wants TMA copies and warpgroup-level code; (2) Triton runs on
@@ -62,9 +71,10 @@ import jax.numpy as jnp
 from jpaged_kernels import quant
 from jpaged_kernels.jnp import attention as jnp_attention
 from jpaged_kernels.pallas.common import (
-    PageCopies, attend_block, dispatch, finalize_softmax, gpu_call, gpu_supported,
-    init_softmax_carry, with_scale_args, tpu_call)
-from jpaged_kernels.shapes import check_attention_shapes, next_power_of_2
+    PageCopies, attend_block, dispatch, finalize_softmax, gpu_block, gpu_call,
+    gpu_keys_per_step, gpu_pool_specs, gpu_steps, gpu_supported, gpu_table, init_softmax_carry,
+    tpu_call, tpu_scale_buffer, unpack_scale_row, window_start, with_scale_args)
+from jpaged_kernels.shapes import check_attention_shapes, check_knobs, next_power_of_2
 
 
 # ---------------------------------------------------------------------------
@@ -81,11 +91,13 @@ def _tpu_kernel(
     *refs,
     pages_per_seq: int,
     scale: float,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
 ):
-    # refs, n = 2 (K, V) or 4 (K, V, K scales, V scales) pool arrays:
-    #   n pools in HBM, [num_kv_heads, num_blocks, block_size, ...];
+    # refs, n = 2 (K, V) or 3 (K, V, scale words) pool arrays:
+    #   n pools in HBM;
     #   o_ref [group, head_dim];
-    #   n VMEM buffers [2 (slot), pages_per_compute_block, block_size, ...];
+    #   n VMEM buffers [2 (slot), pages_per_compute_block, ...];
     #   sems: DMA [n, 2 (slot)].
     n = (len(refs) - 2) // 2
     hbm, o_ref, bufs, sems = refs[:n], refs[n], refs[n + 1:2 * n + 1], refs[-1]
@@ -94,12 +106,14 @@ def _tpu_kernel(
     bk = ppcb * block_size
     group = q_ref.shape[0]
     seq_len = seq_lens_ref[s]
+    kv_start = window_start(seq_len - 1, sliding_window)
+    first_page = lax.div(kv_start, block_size)
     num_pages = pl.cdiv(seq_len, block_size)
-    num_steps = pl.cdiv(seq_len, bk)
+    num_steps = pl.cdiv(num_pages - first_page, ppcb)
 
     def copies(step, slot):
         return PageCopies(hbm, bufs, sems, block_tables_ref, s * pages_per_seq,
-                          step * ppcb, num_pages, h, slot)
+                          first_page + step * ppcb, num_pages, h, slot)
 
     @pl.when(num_steps > 0)
     def _():
@@ -114,24 +128,31 @@ def _tpu_kernel(
         def _():
             copies(step + 1, 1 - slot).start()
 
-        copies(step, slot).wait()
+        block = copies(step, slot)
+        block.wait()
+        start = (first_page + step * ppcb) * block_size
         # Cast before merging (pages, block_size): float32 tiles are (8, 128), so
         # the merge is layout-free for any block_size that is a multiple of 8.
         k = bufs[0][slot].astype(jnp.float32).reshape(bk, head_dim)
         v = bufs[1][slot].astype(jnp.float32).reshape(bk, head_dim)
-        cols = step * bk + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
-        v = jnp.where(cols < seq_len, v, 0.0)  # unfetched pages hold garbage
-        mask = (step * bk + lax.broadcasted_iota(jnp.int32, (group, bk), 1)
-                < seq_len)
-        kv_scales = (bufs[2][slot], bufs[3][slot]) if n == 4 else None  # 8-bit pages
-        return attend_block(carry, q, k, v, mask, scale, kv_scales, seq_len, step * bk)
+        rows = start + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
+        v = jnp.where(rows < seq_len, v, 0.0)  # unfetched pages hold garbage
+        cols = start + lax.broadcasted_iota(jnp.int32, (group, bk), 1)
+        mask = (cols < seq_len) & (cols >= kv_start)
+        scale_rows = None
+        if n == 3:  # 8-bit pages
+            words = block.scale_words(bufs[2], slot)
+            scale_rows = unpack_scale_row(
+                words, start + lax.broadcasted_iota(jnp.int32, (1, bk), 1), seq_len)
+        return attend_block(carry, q, k, v, mask, scale, scale_rows, logits_soft_cap)
 
     carry = lax.fori_loop(0, num_steps, body, init_softmax_carry(group, head_dim))
     o_ref[...] = finalize_softmax(carry).astype(o_ref.dtype)
 
 
 def _paged_attention_tpu(q, k_pages, v_pages, block_tables, seq_lens, *scales,
-                         scale, pages_per_compute_block, interpret):
+                         scale, pages_per_compute_block, sliding_window, logits_soft_cap,
+                         interpret):
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
@@ -143,10 +164,13 @@ def _paged_attention_tpu(q, k_pages, v_pages, block_tables, seq_lens, *scales,
     q4 = q.reshape(num_seqs, num_kv_heads, group, head_dim).astype(jnp.float32)
     qo_spec = pl.BlockSpec((None, None, group, head_dim),
                            lambda s, h, *_: (s, h, 0, 0))
-    bufs = [pltpu.VMEM((2, ppcb) + x.shape[2:], x.dtype) for x in pools]
+    bufs = [pltpu.VMEM((2, ppcb) + x.shape[2:], x.dtype) for x in (k_pages, v_pages)]
+    if scales:
+        bufs.append(tpu_scale_buffer(ppcb, block_size))
+    kernel = functools.partial(_tpu_kernel, pages_per_seq=pages_per_seq, scale=scale,
+                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     out = tpu_call(
-        functools.partial(_tpu_kernel, pages_per_seq=pages_per_seq, scale=scale),
-        grid=(num_seqs, num_kv_heads), num_scalar_prefetch=2,
+        kernel, grid=(num_seqs, num_kv_heads), num_scalar_prefetch=2,
         in_specs=[qo_spec] + [pl.BlockSpec(memory_space=pl.ANY)] * len(pools),
         out_specs=qo_spec,
         out_shape=jax.ShapeDtypeStruct(q4.shape, jnp.float32),
@@ -166,71 +190,72 @@ def _gpu_kernel(
     q_ref,  # [group_padded, head_dim]
     k_ref,  # [num_blocks, block_size, head_dim] (this kv head)
     v_ref,  # same
-    *refs,  # [k_scale_ref, v_scale_ref ([num_blocks, block_size], this kv
-            # head; 8-bit pages only)], then:
-            # block_table_ref [pages_per_seq_padded] (this sequence),
+    *refs,  # [words_ref ([num_word_blocks, block_size], this kv head; 8-bit pages only)],
+            # then: block_table_ref [pages_per_seq_padded] (this sequence),
             # seq_len_ref [] (this sequence), o_ref [group_padded, head_dim]
-    pages_per_compute_block: int,
+    keys: int,
     scale: float,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
 ):
-    scale_refs, (block_table_ref, seq_len_ref, o_ref) = refs[:-3], refs[-3:]
+    words_ref, (block_table_ref, seq_len_ref, o_ref) = refs[:-3], refs[-3:]
     group, head_dim = q_ref.shape
     block_size = k_ref.shape[1]
-    ppcb = pages_per_compute_block
-    bk = ppcb * block_size
     seq_len = seq_len_ref[()]
+    kv_start = window_start(seq_len - 1, sliding_window)
+    num_steps, locate = gpu_steps(kv_start, seq_len, block_size, keys)
     q = q_ref[...]
 
-    def body(step, carry):
-        block_ids = block_table_ref[pl.ds(step * ppcb, ppcb)]
-        k = k_ref[block_ids].reshape(bk, head_dim)
-        v = v_ref[block_ids].reshape(bk, head_dim)
-        if scale_refs:  # 8-bit pages: cast (exact) to the query dtype
-            k, v = k.astype(q.dtype), v.astype(q.dtype)
-        cols = step * bk + lax.broadcasted_iota(jnp.int32, (group, bk), 1)
-        mask = cols < seq_len
-        v = jnp.where((step * bk + jnp.arange(bk) < seq_len)[:, None], v, 0)
-        kv_scales = tuple(r[block_ids] for r in scale_refs) or None
-        return attend_block(carry, q, k, v, mask, scale, kv_scales, seq_len, step * bk)
+    def table(page, n):
+        return block_table_ref[page] if n is None else block_table_ref[pl.ds(page, n)]
 
-    carry = lax.fori_loop(0, pl.cdiv(seq_len, bk), body,
-                          init_softmax_carry(group, head_dim))
+    def body(step, carry):
+        page, row0, start = locate(step)
+        k, v, *words = gpu_block((k_ref, v_ref, *words_ref), table, page, row0, keys, head_dim)
+        if words:  # 8-bit pages: cast (exact) to the query dtype
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
+        cols = start + lax.broadcasted_iota(jnp.int32, (group, keys), 1)
+        mask = (cols < seq_len) & (cols >= kv_start)
+        v = jnp.where((start + jnp.arange(keys) < seq_len)[:, None], v, 0)
+        scale_rows = None
+        if words:
+            scale_rows = unpack_scale_row(words[0], start + jnp.arange(keys)[None, :], seq_len)
+        return attend_block(carry, q, k, v, mask, scale, scale_rows, logits_soft_cap)
+
+    carry = lax.fori_loop(0, num_steps, body, init_softmax_carry(group, head_dim))
     o_ref[...] = finalize_softmax(carry).astype(o_ref.dtype)
 
 
 def _paged_attention_gpu(q, k_pages, v_pages, block_tables, seq_lens, *scales,
-                         scale, pages_per_compute_block, interpret,
-                         num_warps=4, num_stages=2):
+                         scale, pages_per_compute_block, sliding_window, logits_soft_cap,
+                         interpret, num_warps=4, num_stages=2):
     num_seqs, num_q_heads, head_dim = q.shape
-    num_kv_heads, num_blocks, block_size, _ = k_pages.shape
+    num_kv_heads, _, block_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
     pages_per_seq = block_tables.shape[1]
     ppcb = next_power_of_2(min(pages_per_compute_block, pages_per_seq))
-    ppcb = max(ppcb, next_power_of_2(pl.cdiv(16, block_size)))  # dot: K >= 16
+    itemsize = k_pages.dtype.itemsize
+    keys = gpu_keys_per_step(head_dim, itemsize, block_size, ppcb, num_stages)
     # Triton dots need M >= 16 rows and power-of-two tiles: pad the group.
     group_p = max(16, next_power_of_2(group))
     q4 = q.reshape(num_seqs, num_kv_heads, group, head_dim)
     q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, group_p - group), (0, 0)))
-    # Pad the table so every compute block's slice stays in bounds.
-    tables = jnp.pad(block_tables.astype(jnp.int32),
-                     ((0, 0), (0, -pages_per_seq % ppcb)))
+    tables = gpu_table(block_tables, max(1, keys // block_size))
     qo_spec = pl.BlockSpec((None, None, group_p, head_dim),
                            lambda s, h: (s, h, 0, 0))
-    kv_spec = pl.BlockSpec((None, num_blocks, block_size, head_dim),
-                           lambda s, h: (h, 0, 0, 0))
-    scale_spec = pl.BlockSpec((None, num_blocks, block_size),
-                              lambda s, h: (h, 0, 0))
+    pool_specs, words = gpu_pool_specs(k_pages, scales, lambda s, h: h)
+    kernel = functools.partial(_gpu_kernel, keys=keys, scale=scale, sliding_window=sliding_window,
+                               logits_soft_cap=logits_soft_cap)
     out = gpu_call(
-        functools.partial(_gpu_kernel, pages_per_compute_block=ppcb, scale=scale),
-        grid=(num_seqs, num_kv_heads),
-        in_specs=[qo_spec, kv_spec, kv_spec, *[scale_spec] * len(scales),
+        kernel, grid=(num_seqs, num_kv_heads),
+        in_specs=[qo_spec, *pool_specs,
                   pl.BlockSpec((None, tables.shape[1]), lambda s, h: (s, 0)),
                   pl.BlockSpec((None,), lambda s, h: (s,))],
         out_specs=qo_spec,
         out_shape=jax.ShapeDtypeStruct(q4.shape, q.dtype),
         num_warps=num_warps, num_stages=num_stages,
         interpret=interpret, name="paged_attention_gpu",
-    )(q4, k_pages, v_pages, *scales, tables, seq_lens.astype(jnp.int32))
+    )(q4, k_pages, v_pages, *words, tables, seq_lens.astype(jnp.int32))
     return out[:, :, :group].reshape(q.shape)
 
 
@@ -241,8 +266,8 @@ def _paged_attention_gpu(q, k_pages, v_pages, block_tables, seq_lens, *scales,
 
 @functools.partial(
     jax.jit,
-    static_argnames=["scale", "pages_per_compute_block", "backend",
-                     "interpret"])
+    static_argnames=["scale", "pages_per_compute_block", "sliding_window", "logits_soft_cap",
+                     "backend", "interpret"])
 def paged_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -252,8 +277,9 @@ def paged_attention(
     *,
     scale: float,
     pages_per_compute_block: int = 8,
-    k_scales: jax.Array | None = None,
-    v_scales: jax.Array | None = None,
+    kv_scales: jax.Array | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
     backend: str | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -263,13 +289,17 @@ def paged_attention(
       q: ``[num_seqs, num_q_heads, head_dim]``, one query token per sequence.
       k_pages, v_pages: ``[num_kv_heads, num_blocks, block_size, head_dim]``.
       block_tables: int32 ``[num_seqs, max_blocks_per_seq]``.
-      seq_lens: int32 ``[num_seqs]``; sequence ``s`` attends to positions
-        ``0 .. seq_lens[s] - 1``. A zero length gives a zero output row.
+      seq_lens: int32 ``[num_seqs]``; sequence ``s``'s query sits at position
+        ``seq_lens[s] - 1`` and attends to positions ``0 .. seq_lens[s] - 1``.
+        A zero length gives a zero output row.
       scale: softmax scale applied to ``q @ k``.
       pages_per_compute_block: pages per online-softmax step (clipped to
         ``max_blocks_per_seq``; rounded up to a power of two on GPU).
-      k_scales, v_scales: ``[num_kv_heads, num_blocks, block_size]`` with
-        int8/float8_e4m3fn pages (``quant.py``), else None.
+      kv_scales: uint32 ``[num_kv_heads, scale_rows, 128]`` with int8/float8_e4m3fn
+        pages (``quant.py``), else None.
+      sliding_window: None, or the query sees only the last ``sliding_window``
+        positions (``j > seq_len - 1 - sliding_window``).
+      logits_soft_cap: None, or the scaled logits ``s`` become ``cap * tanh(s / cap)``.
       backend: ``None``/``"auto"``, ``"tpu"``, ``"gpu"`` or ``"xla"``; see the
         module docstring.
       interpret: run the Pallas kernel in interpret mode (any host).
@@ -279,15 +309,18 @@ def paged_attention(
       accumulation).
     """
     check_attention_shapes(q, k_pages, v_pages, block_tables, seq_lens)
-    scales = quant.pools_of(k_pages, v_pages, k_scales, v_scales)[2:]
+    check_knobs(sliding_window, logits_soft_cap)
+    scales = quant.pools_of(k_pages, v_pages, kv_scales)[2:]
     if pages_per_compute_block < 1:
         raise ValueError(f"{pages_per_compute_block=} must be >= 1")
-    knobs = dict(scale=scale, pages_per_compute_block=pages_per_compute_block)
+    knobs = dict(scale=scale, pages_per_compute_block=pages_per_compute_block,
+                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     head_dim, block_size = q.shape[-1], k_pages.shape[2]
     impl = dispatch(
         backend, interpret,
         tpu=functools.partial(_paged_attention_tpu, **knobs),
         gpu=(functools.partial(_paged_attention_gpu, **knobs)
              if gpu_supported(head_dim, block_size) else None),
-        xla=with_scale_args(jnp_attention.paged_attention_reference, 5, scale=scale))
+        xla=with_scale_args(jnp_attention.paged_attention_reference, 5, scale=scale,
+                            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap))
     return impl(q, k_pages, v_pages, block_tables, seq_lens, *scales)

@@ -4,7 +4,9 @@ The batch is a flat list of query tokens; sequence ``s`` owns rows
 ``query_start_loc[s]:query_start_loc[s + 1]`` and has ``seq_lens[s]`` tokens
 of context *including* its new ones (their K/V are already in the pool). Its
 row ``i`` (of ``q_len``) sits at position ``seq_lens[s] - q_len + i`` and
-attends causally to keys ``0 .. position``. Sequences at/after ``num_seqs``
+attends causally to keys ``0 .. position`` (with ``sliding_window``, to keys
+``position - sliding_window < j <= position``; ``logits_soft_cap`` caps the
+scaled logits with ``cap * tanh(s / cap)``). Sequences at/after ``num_seqs``
 and rows at/after ``query_start_loc[num_seqs]`` are padding (zero output).
 One call thus covers whole prompts, prefill chunks that continue after
 cached tokens, and decode rows (``q_len == 1``).
@@ -17,7 +19,8 @@ matrix and every page is read once per kv head and query tile. The grid is
 consecutive tokens and may span several sequences. Per tile the kernel loops
 over the sequences that own rows of it (a range precomputed by the wrapper),
 and for each runs an online softmax over the compute blocks of
-``pages_per_compute_block`` pages up to the tile's last causal position of
+``pages_per_compute_block`` pages from the page holding the first key any of
+its rows sees (the window's start) up to the tile's last causal position of
 that sequence, then writes that sequence's rows of the tile. Every row
 belongs to exactly one sequence, so no softmax state crosses sequences.
 
@@ -29,11 +32,14 @@ is not prefetched across sequences). Tiles are ``[num_queries_per_block *
 group, head_dim]`` with ``num_queries_per_block`` a multiple of 16, so they
 are (8, 128)/(16, 128)-aligned in the second-minor dimension.
 
-GPU (Triton): the same loops; pages are gathered by block-id vectors. See
-``paged_attention.py`` for why Triton and the export caveat.
+GPU (Triton): the same loops; pages are gathered by block-id vectors, a
+step's keys bounded so that its K/V tiles fit shared memory in every pipeline
+stage, and the tile's rows bounded so that the accumulator and logits fit the
+registers (``_gpu_tiling``). See ``paged_attention.py`` for why Triton and the
+export caveat.
 
-8-bit pages (``k_scales``/``v_scales``, see ``quant.py``): the scales travel
-with their pages (one more DMA / gather each) and act on the key axis, as in
+8-bit pages (``kv_scales``, see ``quant.py``): the scale words travel with
+their pages (one more DMA / gather) and act on the key axis, as in
 ``paged_attention.py``; int8/float8 pages are cast to the query dtype (exact)
 for the matmuls.
 """
@@ -51,9 +57,14 @@ import jax.numpy as jnp
 from jpaged_kernels import quant
 from jpaged_kernels.jnp import attention as jnp_attention
 from jpaged_kernels.pallas.common import (
-    PageCopies, attend_block, dispatch, finalize_softmax, gpu_call, gpu_supported,
-    init_softmax_carry, with_scale_args, tpu_call)
-from jpaged_kernels.shapes import check_attention_shapes, next_power_of_2
+    PageCopies, attend_block, dispatch, finalize_softmax, gpu_block, gpu_call,
+    gpu_keys_per_step, gpu_pool_specs, gpu_steps, gpu_supported, gpu_table, init_softmax_carry,
+    tpu_call, tpu_scale_buffer, unpack_scale_row, visible, window_start, with_scale_args)
+from jpaged_kernels.shapes import check_attention_shapes, check_knobs, next_power_of_2
+
+# Elements of a Triton program's [rows, head_dim or keys] tiles that 4 warps keep in registers
+# without spilling (ptxas, sm_90: docs/tpu_gpu.md); up to twice as many get 8 warps.
+GPU_TILE_ELEMENTS = 32 * 128
 
 
 def _tile_metadata(query_start_loc, num_seqs, num_tiles, tile):
@@ -74,26 +85,28 @@ def _tile_metadata(query_start_loc, num_seqs, num_tiles, tile):
     return qsl, first.astype(jnp.int32), end.astype(jnp.int32)
 
 
-def _seq_rows(qsl_ref, seq_lens_ref, s, tile_start, tile):
+def _seq_rows(qsl_ref, seq_lens_ref, s, tile_start, tile, sliding_window):
     """Where sequence ``s`` meets a tile.
 
-    Returns ``(lo, hi, first_pos, kv_end)``: its rows in the tile are flat
-    tokens ``[lo, hi)``, flat token ``r`` is at position ``first_pos + r``, and
-    keys ``[0, kv_end)`` are the most any of those rows may see.
+    Returns ``(lo, hi, first_pos, kv_start, kv_end)``: its rows in the tile are
+    flat tokens ``[lo, hi)``, flat token ``r`` is at position ``first_pos + r``,
+    and keys ``[kv_start, kv_end)`` are the most any of those rows may see
+    (empty when the sequence has no rows here).
     """
     q_start, q_end = qsl_ref[s], qsl_ref[s + 1]
     lo = jnp.maximum(q_start, tile_start)
     hi = jnp.minimum(q_end, tile_start + tile)
     first_pos = seq_lens_ref[s] - (q_end - q_start) - q_start
     kv_end = jnp.where(lo < hi, first_pos + hi, 0)
-    return lo, hi, first_pos, kv_end
+    kv_start = jnp.where(lo < hi, window_start(first_pos + lo, sliding_window), 0)
+    return lo, hi, first_pos, kv_start, kv_end
 
 
-def _causal_mask(first_pos, tile_start, col_start, group, shape):
+def _mask(first_pos, tile_start, col_start, group, shape, sliding_window):
     rows = tile_start + lax.div(lax.broadcasted_iota(jnp.int32, shape, 0),
                                 group)
     cols = col_start + lax.broadcasted_iota(jnp.int32, shape, 1)
-    return cols <= first_pos + rows
+    return visible(first_pos + rows, cols, sliding_window)
 
 
 def _row_mask(lo, hi, tile_start, group, n):
@@ -120,11 +133,13 @@ def _tpu_kernel(
     group: int,
     pages_per_seq: int,
     scale: float,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
 ):
-    # refs, m = 2 (K, V) or 4 (K, V, K scales, V scales) pool arrays:
-    #   m pools in HBM [num_kv_heads, num_blocks, block_size, ...];
+    # refs, m = 2 (K, V) or 3 (K, V, scale words) pool arrays:
+    #   m pools in HBM;
     #   o_ref [tile * group, head_dim];
-    #   m VMEM buffers [2, pages_per_compute_block, block_size, ...];
+    #   m VMEM buffers [2, pages_per_compute_block, ...];
     #   sems: DMA [m, 2].
     m = (len(refs) - 2) // 2
     hbm, o_ref, bufs, sems = refs[:m], refs[m], refs[m + 1:2 * m + 1], refs[-1]
@@ -139,20 +154,21 @@ def _tpu_kernel(
     # block_size is a multiple of the dtype's sublane tiling (8 rows of 32 bits,
     # 16 of bfloat16); otherwise compute in float32. 8-bit pages are cast to
     # the query dtype first.
-    dtype = q_ref.dtype if m == 4 else k_buf.dtype
+    dtype = q_ref.dtype if m == 3 else k_buf.dtype
     packing = 4 // dtype.itemsize
     compute_dtype = dtype if block_size % (8 * packing) == 0 else jnp.float32
     q = q_ref[...].astype(compute_dtype)
 
     def seq_body(s, out):
-        lo, hi, first_pos, kv_end = _seq_rows(qsl_ref, seq_lens_ref, s,
-                                              tile_start, tile)
+        lo, hi, first_pos, kv_start, kv_end = _seq_rows(
+            qsl_ref, seq_lens_ref, s, tile_start, tile, sliding_window)
+        first_page = lax.div(kv_start, block_size)
         num_pages = pl.cdiv(kv_end, block_size)
-        num_steps = pl.cdiv(kv_end, bk)
+        num_steps = pl.cdiv(jnp.maximum(num_pages - first_page, 0), ppcb)
 
         def copies(step, slot):
             return PageCopies(hbm, bufs, sems, block_tables_ref, s * pages_per_seq,
-                              step * ppcb, num_pages, h, slot)
+                              first_page + step * ppcb, num_pages, h, slot)
 
         @pl.when(num_steps > 0)
         def _():
@@ -165,14 +181,20 @@ def _tpu_kernel(
             def _():
                 copies(step + 1, 1 - slot).start()
 
-            copies(step, slot).wait()
+            block = copies(step, slot)
+            block.wait()
+            start = (first_page + step * ppcb) * block_size
             k = k_buf[slot].astype(compute_dtype).reshape(bk, head_dim)
             v = v_buf[slot].astype(compute_dtype).reshape(bk, head_dim)
-            cols = step * bk + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
-            v = jnp.where(cols < kv_end, v, jnp.zeros_like(v))
-            mask = _causal_mask(first_pos, tile_start, step * bk, group, (n, bk))
-            kv_scales = (bufs[2][slot], bufs[3][slot]) if m == 4 else None  # 8-bit pages
-            return attend_block(carry, q, k, v, mask, scale, kv_scales, kv_end, step * bk)
+            rows = start + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
+            v = jnp.where(rows < kv_end, v, jnp.zeros_like(v))
+            mask = _mask(first_pos, tile_start, start, group, (n, bk), sliding_window)
+            scale_rows = None
+            if m == 3:  # 8-bit pages
+                scale_rows = unpack_scale_row(
+                    block.scale_words(bufs[2], slot),
+                    start + lax.broadcasted_iota(jnp.int32, (1, bk), 1), kv_end)
+            return attend_block(carry, q, k, v, mask, scale, scale_rows, logits_soft_cap)
 
         carry = lax.fori_loop(0, num_steps, kv_body,
                               init_softmax_carry(n, head_dim))
@@ -186,7 +208,7 @@ def _tpu_kernel(
 
 def _ragged_tpu(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
                 num_seqs, *scales, scale, num_queries_per_block,
-                pages_per_compute_block, interpret):
+                pages_per_compute_block, sliding_window, logits_soft_cap, interpret):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
@@ -199,11 +221,14 @@ def _ragged_tpu(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
     qo_spec = pl.BlockSpec((None, tile * group, head_dim),
                            lambda h, t, *_: (h, t, 0))
     pools = (k_pages, v_pages, *scales)
-    bufs = [pltpu.VMEM((2, ppcb) + x.shape[2:], x.dtype) for x in pools]
+    bufs = [pltpu.VMEM((2, ppcb) + x.shape[2:], x.dtype) for x in (k_pages, v_pages)]
+    if scales:
+        bufs.append(tpu_scale_buffer(ppcb, block_size))
+    kernel = functools.partial(_tpu_kernel, group=group, pages_per_seq=pages_per_seq,
+                               scale=scale, sliding_window=sliding_window,
+                               logits_soft_cap=logits_soft_cap)
     out = tpu_call(
-        functools.partial(_tpu_kernel, group=group, pages_per_seq=pages_per_seq,
-                          scale=scale),
-        grid=(num_kv_heads, num_tiles), num_scalar_prefetch=5,
+        kernel, grid=(num_kv_heads, num_tiles), num_scalar_prefetch=5,
         in_specs=[qo_spec] + [pl.BlockSpec(memory_space=pl.ANY)] * len(pools),
         out_specs=qo_spec,
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
@@ -241,45 +266,51 @@ def _gpu_kernel(
     q_ref,  # [tile * group, head_dim], this kv head
     k_ref,  # [num_blocks, block_size, head_dim], this kv head
     v_ref,
-    *refs,  # [k_scale_ref, v_scale_ref ([num_blocks, block_size], this kv
-            # head; 8-bit pages only)], then:
-            # block_tables_ref [max_seqs, pages_per_seq_padded],
+    *refs,  # [words_ref ([num_word_blocks, block_size], this kv head; 8-bit pages only)],
+            # then: block_tables_ref [max_seqs, pages_per_seq_padded],
             # seq_lens_ref [max_seqs], qsl_ref [max_seqs + 1] (sanitized),
             # first_seq_ref [num_tiles], end_seq_ref [num_tiles],
             # o_ref [tile * group, head_dim]
     group: int,
-    pages_per_compute_block: int,
+    keys: int,
     scale: float,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
 ):
-    scale_refs = refs[:-6]
+    words_ref = refs[:-6]
     (block_tables_ref, seq_lens_ref, qsl_ref, first_seq_ref, end_seq_ref,
      o_ref) = refs[-6:]
     t = pl.program_id(1)
     n, head_dim = q_ref.shape
     tile = n // group
     block_size = k_ref.shape[1]
-    ppcb = pages_per_compute_block
-    bk = ppcb * block_size
     tile_start = t * tile
     q = q_ref[...]
 
     def seq_body(s, out):
-        lo, hi, first_pos, kv_end = _seq_rows(qsl_ref, seq_lens_ref, s,
-                                              tile_start, tile)
+        lo, hi, first_pos, kv_start, kv_end = _seq_rows(
+            qsl_ref, seq_lens_ref, s, tile_start, tile, sliding_window)
+        num_steps, locate = gpu_steps(kv_start, kv_end, block_size, keys)
+
+        def table(page, count):
+            if count is None:
+                return block_tables_ref[s, page]
+            return block_tables_ref[s, pl.ds(page, count)]
 
         def kv_body(step, carry):
-            block_ids = block_tables_ref[s, pl.ds(step * ppcb, ppcb)]
-            k = k_ref[block_ids].reshape(bk, head_dim)
-            v = v_ref[block_ids].reshape(bk, head_dim)
-            if scale_refs:  # 8-bit pages: cast (exact) to the query dtype
+            page, row0, start = locate(step)
+            k, v, *words = gpu_block((k_ref, v_ref, *words_ref), table, page, row0, keys,
+                                     head_dim)
+            if words:  # 8-bit pages: cast (exact) to the query dtype
                 k, v = k.astype(q.dtype), v.astype(q.dtype)
-            v = jnp.where((step * bk + jnp.arange(bk) < kv_end)[:, None], v, 0)
-            mask = _causal_mask(first_pos, tile_start, step * bk, group, (n, bk))
-            kv_scales = tuple(r[block_ids] for r in scale_refs) or None
-            return attend_block(carry, q, k, v, mask, scale, kv_scales, kv_end, step * bk)
+            v = jnp.where((start + jnp.arange(keys) < kv_end)[:, None], v, 0)
+            mask = _mask(first_pos, tile_start, start, group, (n, keys), sliding_window)
+            scale_rows = None
+            if words:
+                scale_rows = unpack_scale_row(words[0], start + jnp.arange(keys)[None, :], kv_end)
+            return attend_block(carry, q, k, v, mask, scale, scale_rows, logits_soft_cap)
 
-        carry = lax.fori_loop(0, pl.cdiv(kv_end, bk), kv_body,
-                              init_softmax_carry(n, head_dim))
+        carry = lax.fori_loop(0, num_steps, kv_body, init_softmax_carry(n, head_dim))
         rows = _row_mask(lo, hi, tile_start, group, n)
         return jnp.where(rows, finalize_softmax(carry), out)
 
@@ -288,45 +319,53 @@ def _gpu_kernel(
     o_ref[...] = out.astype(o_ref.dtype)
 
 
+def _gpu_tiling(num_queries_per_block, group, head_dim, keys, eight_bit):
+    """``(tile, num_warps)``: query tokens per program and warps, so that the ``[tile * group,
+    head_dim]`` query and accumulator and the ``[tile * group, keys]`` logits stay in registers;
+    ``tile * group >= 16`` (a dot's M dimension). A tile has at most ``2 * GPU_TILE_ELEMENTS``
+    elements and gets 8 warps when it has more than ``GPU_TILE_ELEMENTS``; with 8-bit pages
+    (cast to the query dtype in registers) at most ``GPU_TILE_ELEMENTS``, on 4 warps."""
+    limit = GPU_TILE_ELEMENTS if eight_bit else 2 * GPU_TILE_ELEMENTS
+    tile = next_power_of_2(max(num_queries_per_block, pl.cdiv(16, group)))
+    while tile * group > 16 and tile * group * max(head_dim, keys) > limit:
+        tile //= 2
+    return tile, 8 if tile * group * max(head_dim, keys) > GPU_TILE_ELEMENTS else 4
+
+
 def _ragged_gpu(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
                 num_seqs, *scales, scale, num_queries_per_block,
-                pages_per_compute_block, interpret, num_warps=4, num_stages=2):
+                pages_per_compute_block, sliding_window, logits_soft_cap, interpret,
+                num_stages=2):
     num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads, num_blocks, block_size, _ = k_pages.shape
-    group = num_q_heads // num_kv_heads
+    num_kv_heads, _, block_size, _ = k_pages.shape
     pages_per_seq = block_tables.shape[1]
     ppcb = next_power_of_2(min(pages_per_compute_block, pages_per_seq))
-    ppcb = max(ppcb, next_power_of_2(pl.cdiv(16, block_size)))  # dot: K >= 16
+    keys = gpu_keys_per_step(head_dim, k_pages.dtype.itemsize, block_size, ppcb, num_stages)
     # Power-of-two tiles of at least 16 rows for Triton dots; a group that is
     # not a power of two is padded with zero query heads.
-    group = next_power_of_2(group)
-    tile = next_power_of_2(max(num_queries_per_block, pl.cdiv(16, group)))
+    group = next_power_of_2(num_q_heads // num_kv_heads)
+    tile, num_warps = _gpu_tiling(num_queries_per_block, group, head_dim, keys, bool(scales))
     num_tiles = pl.cdiv(num_tokens, tile)
     qg, unpack = _group_queries(q, num_kv_heads, num_tiles * tile, group)
     qsl, first, end = _tile_metadata(query_start_loc, num_seqs, num_tiles, tile)
-    tables = jnp.pad(block_tables.astype(jnp.int32),
-                     ((0, 0), (0, -pages_per_seq % ppcb)))
+    tables = gpu_table(block_tables, max(1, keys // block_size))
     qo_spec = pl.BlockSpec((None, tile * group, head_dim), lambda h, t: (h, t, 0))
-    kv_spec = pl.BlockSpec((None, num_blocks, block_size, head_dim),
-                           lambda h, t: (h, 0, 0, 0))
-    scale_spec = pl.BlockSpec((None, num_blocks, block_size),
-                              lambda h, t: (h, 0, 0))
+    pool_specs, words = gpu_pool_specs(k_pages, scales, lambda h, t: h)
 
     def whole(x):
         return pl.BlockSpec(x.shape, lambda h, t: (0,) * x.ndim)
 
     metadata = (tables, seq_lens.astype(jnp.int32), qsl, first, end)
+    kernel = functools.partial(_gpu_kernel, group=group, keys=keys, scale=scale,
+                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     out = gpu_call(
-        functools.partial(_gpu_kernel, group=group, pages_per_compute_block=ppcb,
-                          scale=scale),
-        grid=(num_kv_heads, num_tiles),
-        in_specs=[qo_spec, kv_spec, kv_spec, *[scale_spec] * len(scales),
-                  *map(whole, metadata)],
+        kernel, grid=(num_kv_heads, num_tiles),
+        in_specs=[qo_spec, *pool_specs, *map(whole, metadata)],
         out_specs=qo_spec,
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         num_warps=num_warps, num_stages=num_stages,
         interpret=interpret, name="ragged_paged_attention_gpu",
-    )(qg, k_pages, v_pages, *scales, *metadata)
+    )(qg, k_pages, v_pages, *words, *metadata)
     return unpack(out)
 
 
@@ -337,8 +376,8 @@ def _ragged_gpu(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
 
 @functools.partial(
     jax.jit,
-    static_argnames=["scale", "num_queries_per_block",
-                     "pages_per_compute_block", "backend", "interpret"])
+    static_argnames=["scale", "num_queries_per_block", "pages_per_compute_block",
+                     "sliding_window", "logits_soft_cap", "backend", "interpret"])
 def ragged_paged_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -351,8 +390,9 @@ def ragged_paged_attention(
     scale: float,
     num_queries_per_block: int = 16,
     pages_per_compute_block: int = 8,
-    k_scales: jax.Array | None = None,
-    v_scales: jax.Array | None = None,
+    kv_scales: jax.Array | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
     backend: str | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -368,10 +408,14 @@ def ragged_paged_attention(
       num_seqs: int32 scalar or ``[1]``, number of real sequences.
       scale: softmax scale applied to ``q @ k``.
       num_queries_per_block: query tokens per tile (TPU: a multiple of 16;
-        GPU: rounded up to a power of two with ``tile * group >= 16``).
+        GPU: rounded to a power of two with ``tile * group >= 16``, and
+        lowered until the tile's accumulator fits the registers).
       pages_per_compute_block: pages per online-softmax step.
-      k_scales, v_scales: ``[num_kv_heads, num_blocks, block_size]`` with
-        int8/float8_e4m3fn pages (``quant.py``), else None.
+      kv_scales: uint32 ``[num_kv_heads, scale_rows, 128]`` with int8/float8_e4m3fn
+        pages (``quant.py``), else None.
+      sliding_window: None, or a row at position ``p`` sees only keys ``j > p -
+        sliding_window``.
+      logits_soft_cap: None, or the scaled logits ``s`` become ``cap * tanh(s / cap)``.
       backend: ``None``/``"auto"``, ``"tpu"``, ``"gpu"`` or ``"xla"``; see
         ``paged_attention.py``.
       interpret: run the Pallas kernel in interpret mode (any host).
@@ -381,7 +425,8 @@ def ragged_paged_attention(
       zeros.
     """
     check_attention_shapes(q, k_pages, v_pages, block_tables, seq_lens)
-    scales = quant.pools_of(k_pages, v_pages, k_scales, v_scales)[2:]
+    check_knobs(sliding_window, logits_soft_cap)
+    scales = quant.pools_of(k_pages, v_pages, kv_scales)[2:]
     if query_start_loc.shape != (block_tables.shape[0] + 1,):
         raise ValueError(f"query_start_loc must be [max_seqs + 1] = "
                          f"[{block_tables.shape[0] + 1}], got "
@@ -393,14 +438,15 @@ def ragged_paged_attention(
                          "be >= 1")
     num_kv_heads, _, block_size, head_dim = k_pages.shape
     knobs = dict(scale=scale, num_queries_per_block=num_queries_per_block,
-                 pages_per_compute_block=pages_per_compute_block)
+                 pages_per_compute_block=pages_per_compute_block,
+                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     tpu_ok = num_queries_per_block % 16 == 0
     gpu_ok = gpu_supported(head_dim, block_size)
     impl = dispatch(
         backend, interpret,
         tpu=functools.partial(_ragged_tpu, **knobs) if tpu_ok else None,
         gpu=functools.partial(_ragged_gpu, **knobs) if gpu_ok else None,
-        xla=with_scale_args(jnp_attention.ragged_paged_attention_reference, 7,
-                            scale=scale))
+        xla=with_scale_args(jnp_attention.ragged_paged_attention_reference, 7, scale=scale,
+                            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap))
     return impl(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
                 num_seqs, *scales)
