@@ -1,15 +1,16 @@
 // A matmul for few rows on the CPU: out_i[M, N_i] = x[M, K] @ w_i[K, N_i] for one or more weights,
-// float32, row-major; an XLA FFI custom call (built and loaded by pallas_kernels/cpu_kernels.py).
+// float32, row-major; an XLA FFI custom call (built and loaded by library.py).
 //
 // A decode step multiplies a handful of rows by every weight matrix of the model: the weights are
 // read once per step and do not fit the cache, so the step is bound by memory, and a matmul that
 // first copies ("packs") the weight into its own layout, as a GEMM library does, reads and writes
 // it one more time. This one streams the weight straight from where it lies, in panels of kPanel
-// columns (64 with AVX-512), piece by piece (kChunk rows of a panel): each block of up to kRows
-// rows keeps its sums in vector registers while the piece goes by, the first block bringing the
-// piece into the L1 cache for the others, and every block prefetching its share of the next piece
-// into L2 meanwhile, so that memory keeps streaming while the blocks compute (a lone block, 4 rows
-// or fewer, prefetches its own rows a little ahead instead). Runs of up to kItemPanels neighbouring
+// columns, piece by piece (kChunk rows of a panel): each block of up to kRows rows keeps its sums in
+// vector registers while the piece goes by, the first block bringing the piece into the L1 cache
+// for the others, and every block prefetching its share of the next piece into L2 meanwhile, so
+// that memory keeps streaming while the blocks compute. With at most one block of rows
+// (kFewRows), FewRows reads the weight in its own order instead, row after row across long column
+// runs; with AVX-512 a lone block prefetches its own rows a little ahead. Runs of neighbouring
 // panels of a weight (long runs of each weight row: memory streams better) are shared with XLA's
 // intra-op thread pool (common.h); the weights of one call (a layer's q, k and v; its gate and up)
 // share one hand-off.
@@ -26,19 +27,29 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float Vec __attribute__((vector_size(64)));  // 16 floats: one AVX-512 register, or 2 AVX ones
-
+// The register block per instruction set: kVecs vectors of kLanes floats per row (a panel of kPanel
+// columns), kRows rows, kRows x kVecs accumulators. AVX-512 (32 registers): 4 x 4 of 16 floats.
+// AVX/AVX2 and SSE (16 registers): 6 x 2, which leaves registers for the weight row and the
+// broadcast (a vector wider than the registers is kept in memory by the compiler, and is slow).
 #ifdef __AVX512F__
-constexpr int64_t kVecs = 4;                  // vectors per panel: 16 accumulators in 32 registers
+constexpr int64_t kLanes = 16, kVecs = 4, kRows = 4;
+constexpr int64_t kFewRows = 0;               // a lone block prefetches its own rows instead
+#elif defined(__AVX__)
+constexpr int64_t kLanes = 8, kVecs = 2, kRows = 6;
+constexpr int64_t kFewRows = kRows;           // one block or less: FewRows
 #else
-constexpr int64_t kVecs = 1;                  // (AVX2: a vector is 2 of its 16 registers)
+constexpr int64_t kLanes = 4, kVecs = 2, kRows = 6;
+constexpr int64_t kFewRows = kRows;
 #endif
-constexpr int64_t kPanel = kVecs * 16;        // columns per panel
-constexpr int64_t kRows = 4;                  // rows per register block: kRows x kVecs accumulators
+typedef float Vec __attribute__((vector_size(kLanes * 4)));  // one vector register
+constexpr int64_t kPanel = kVecs * kLanes;    // columns per panel
 constexpr int64_t kAheadRows = 16;            // how far ahead a lone row block prefetches its rows
 constexpr int64_t kItemPanels = 32;           // most panels per work item (longer runs of each weight row)
+constexpr int64_t kFewItemPanels = 512;       // the same for FewRows (its weight rows stream end to end)
 constexpr int64_t kItemsPerWorker = 4;        // work items per thread, where there are enough panels
-constexpr int64_t kChunk = 64;                // weight rows per pass of the row blocks (16 KB of a panel)
+constexpr int64_t kFewItemsPerWorker = 2;     // the same for FewRows
+constexpr int64_t kChunk = 64;                // weight rows per pass of the row blocks
+constexpr int64_t kDepth = 8;                 // weight rows per pass of FewRows
 
 inline Vec Load(const float* p) {
   Vec v;
@@ -58,7 +69,7 @@ void PanelRows(const float* x, int64_t ldx, const float* w, int64_t k0, int64_t 
   Vec acc[R][kVecs] = {};
   if (k0 > 0) {
     for (int r = 0; r < R; ++r) {
-      for (int64_t c = 0; c < kVecs; ++c) acc[r][c] = Load(out + r * ldo + 16 * c);
+      for (int64_t c = 0; c < kVecs; ++c) acc[r][c] = Load(out + r * ldo + kLanes * c);
     }
   }
   for (int64_t k = k0; k < k1; ++k) {
@@ -66,28 +77,37 @@ void PanelRows(const float* x, int64_t ldx, const float* w, int64_t k0, int64_t 
     if (k - k0 < next_rows) {
       for (int64_t c = 0; c < kVecs; ++c) {
         if (own_rows) {
-          __builtin_prefetch(next + (k - k0) * N + 16 * c, 0, 3);
+          __builtin_prefetch(next + (k - k0) * N + kLanes * c, 0, 3);
         } else {
-          __builtin_prefetch(next + (k - k0) * N + 16 * c, 0, 1);
+          __builtin_prefetch(next + (k - k0) * N + kLanes * c, 0, 1);
         }
       }
     }
     Vec wv[kVecs];
-    for (int64_t c = 0; c < kVecs; ++c) wv[c] = Load(wk + 16 * c);
+    for (int64_t c = 0; c < kVecs; ++c) wv[c] = Load(wk + kLanes * c);
     for (int r = 0; r < R; ++r) {
       const float xv = x[r * ldx + k];
       for (int64_t c = 0; c < kVecs; ++c) acc[r][c] += xv * wv[c];
     }
   }
   for (int r = 0; r < R; ++r) {
-    for (int64_t c = 0; c < kVecs; ++c) Store(out + r * ldo + 16 * c, acc[r][c]);
+    for (int64_t c = 0; c < kVecs; ++c) Store(out + r * ldo + kLanes * c, acc[r][c]);
   }
+}
+
+// PanelRows<rest> for the rest (1 <= rest <= R) of the rows past the last whole block.
+template <int R>
+void PanelRest(int64_t rest, const float* x, int64_t ldx, const float* w, int64_t k0, int64_t k1, int64_t N,
+               float* out, int64_t ldo, const float* next, int64_t next_rows, bool own_rows) {
+  if constexpr (R > 1) {
+    if (rest < R) return PanelRest<R - 1>(rest, x, ldx, w, k0, k1, N, out, ldo, next, next_rows, own_rows);
+  }
+  PanelRows<R>(x, ldx, w, k0, k1, N, out, ldo, next, next_rows, own_rows);
 }
 
 // Panels [p0, p1) for every row, piece by piece: a k range of kChunk rows across the panels, then
 // the next. While a piece's row blocks compute, they prefetch the next piece into L2, each block its
-// share of its rows, so that memory streams all through the pass (the first block alone
-// prefetching it left memory idle while the others computed: 10% slower at 32-48 rows).
+// share of its rows, so that memory streams all through the pass.
 void Panels(const float* x, const float* w, int64_t M, int64_t K, int64_t N, int64_t p0, int64_t p1, float* out) {
   const int64_t blocks = (M + kRows - 1) / kRows;
   const bool alone = blocks == 1;
@@ -114,14 +134,53 @@ void Panels(const float* x, const float* w, int64_t M, int64_t K, int64_t N, int
       }
       const float* xm = x + m * K;
       float* om = out + m * N + p * kPanel;
-      switch (M - m) {
-        case 3: PanelRows<3>(xm, K, wp, k0, k1, N, om, N, next_of(m), rows_of(m), alone); break;
-        case 2: PanelRows<2>(xm, K, wp, k0, k1, N, om, N, next_of(m), rows_of(m), alone); break;
-        case 1: PanelRows<1>(xm, K, wp, k0, k1, N, om, N, next_of(m), rows_of(m), alone); break;
-        default: break;
+      if (M > m) PanelRest<kRows - 1>(M - m, xm, K, wp, k0, k1, N, om, N, next_of(m), rows_of(m), alone);
+    }
+  }
+}
+
+// out[:R, c0:c1] = x[:R] @ w[:, c0:c1] (c0, c1: panels p0, p1) for R <= kRows rows, in the weight's
+// own order: kDepth weight rows at a time, each read end to end across the columns (kDepth long
+// sequential streams, which the hardware prefetcher follows), the sums reloaded from out between
+// passes (they stay in L1).
+template <int R>
+void FewRows(const float* x, const float* w, int64_t K, int64_t N, int64_t p0, int64_t p1, float* out) {
+  const int64_t c0 = p0 * kPanel, c1 = p1 * kPanel;
+  for (int64_t k0 = 0; k0 < K; k0 += kDepth) {
+    const int64_t depth = std::min(kDepth, K - k0);
+    float xs[R][kDepth];
+    for (int r = 0; r < R; ++r) {
+      for (int64_t u = 0; u < depth; ++u) xs[r][u] = x[r * K + k0 + u];
+    }
+    for (int64_t j = c0; j < c1; j += kVecs * kLanes) {
+      Vec acc[R][kVecs] = {};
+      if (k0 > 0) {
+        for (int r = 0; r < R; ++r) {
+          for (int64_t c = 0; c < kVecs; ++c) acc[r][c] = Load(out + r * N + j + kLanes * c);
+        }
+      }
+      for (int64_t u = 0; u < depth; ++u) {
+        const float* wk = w + (k0 + u) * N + j;
+        Vec wv[kVecs];
+        for (int64_t c = 0; c < kVecs; ++c) wv[c] = Load(wk + kLanes * c);
+        for (int r = 0; r < R; ++r) {
+          for (int64_t c = 0; c < kVecs; ++c) acc[r][c] += xs[r][u] * wv[c];
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        for (int64_t c = 0; c < kVecs; ++c) Store(out + r * N + j + kLanes * c, acc[r][c]);
       }
     }
   }
+}
+
+// FewRows<rows> for 1 <= rows <= R.
+template <int R>
+void FewRest(int64_t rows, const float* x, const float* w, int64_t K, int64_t N, int64_t p0, int64_t p1, float* out) {
+  if constexpr (R > 1) {
+    if (rows < R) return FewRest<R - 1>(rows, x, w, K, N, p0, p1, out);
+  }
+  FewRows<R>(x, w, K, N, p0, p1, out);
 }
 
 // Columns past the last whole panel (N not a multiple of kPanel): one sum at a time.
@@ -163,10 +222,12 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
     total_panels += ws.back().N / kPanel;
   }
   // Work items: runs of up to kItemPanels panels of one weight (long runs of each weight row stream
-  // better), about kItemsPerWorker of them per worker (fewer: longer runs; more: the workers even
-  // out), and the columns past a weight's last whole panel.
-  const int64_t target = kItemsPerWorker * jpaged::Workers(pool);
-  const int64_t per_item = std::clamp<int64_t>(total_panels / target, 1, kItemPanels);
+  // better; kFewItemPanels for FewRows), about kItemsPerWorker (kFewItemsPerWorker) of them per
+  // worker (fewer: longer runs; more: the workers even out), and the columns past a weight's last
+  // whole panel.
+  const bool few = M <= kFewRows;
+  const int64_t target = (few ? kFewItemsPerWorker : kItemsPerWorker) * jpaged::Workers(pool);
+  const int64_t per_item = std::clamp<int64_t>(total_panels / target, 1, few ? kFewItemPanels : kItemPanels);
   struct Item {
     int64_t weight, p0, p1;  // panels [p0, p1); p0 < 0: the tail columns
   };
@@ -180,6 +241,9 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
   jpaged::ParallelFor(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
     const Item& item = items[i];
     const Weight& w = ws[item.weight];
+    if constexpr (kFewRows > 0) {
+      if (item.p0 >= 0 && few) return FewRest<std::max<int>(kFewRows, 1)>(M, xp, w.w, K, w.N, item.p0, item.p1, w.out);
+    }
     if (item.p0 >= 0) return Panels(xp, w.w, M, K, w.N, item.p0, item.p1, w.out);
     Tail(xp, w.w, M, K, w.N, w.N / kPanel * kPanel, w.out);
   });
