@@ -9,7 +9,7 @@ import pytest
 
 from jpaged_kernels import cpu as cpu_kernels
 from jpaged_kernels.cpu import library
-from test_kernels import Case, as_np, check, check_ragged_reference, decode_case, np_ragged
+from test_kernels import Case, as_np, check, check_ragged_reference, decode_case, np_context, np_ragged
 
 pytestmark = pytest.mark.skipif(library.compiler() is None, reason="no C++ compiler on this machine")
 
@@ -59,6 +59,70 @@ def test_every_row_vs_numpy_prompt_chunks_with_context(case):
     real = int(qsl[int(ns[0])])
     check(out[:real], expected[:real], jnp.float32)
     assert not out[real:].any()
+
+
+def np_ragged_window_cap(q, k_pages, v_pages, block_tables, seq_lens, qsl, num_seqs, scale, window, cap):
+    """`np_ragged` with a sliding window (a query at position p sees the keys j with
+    p - window < j <= p) and a soft cap (each scaled score s becomes cap * tanh(s / cap))."""
+    q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
+    group = q.shape[1] // k_pages.shape[0]
+    out = np.zeros_like(q)
+    for s in range(num_seqs):
+        q_len = qsl[s + 1] - qsl[s]
+        for i in range(q_len):
+            pos = seq_lens[s] - q_len + i
+            lo = max(0, pos - window + 1) if window else 0
+            for h in range(q.shape[1]):
+                keys = np.array(np_context(k_pages, block_tables[s], pos + 1, h // group)[lo:])
+                values = np.array(np_context(v_pages, block_tables[s], pos + 1, h // group)[lo:])
+                logits = scale * keys @ q[qsl[s] + i, h]
+                if cap:
+                    logits = cap * np.tanh(logits / cap)
+                weights = np.exp(logits - logits.max())
+                out[qsl[s] + i, h] = weights @ values / weights.sum()
+    return out
+
+
+@pytest.mark.parametrize("case", [
+    decode_case([1, 15, 16, 17, 40, 300], block_size=16, share_prefix=False),
+    decode_case([1, 16, 31, 200], group=2, head_dim=128, share_prefix=False),
+    decode_case([3, 9, 30], block_size=8, group=1, num_kv_heads=3, head_dim=32, share_prefix=False),
+    Case(seqs=[(40, 40), (1, 70), (23, 60), (17, 50), (2, 18)], max_seqs=7, extra_tokens=3, share_prefix=False),
+    Case(seqs=[(33, 100), (1, 16), (5, 5)], group=2, head_dim=128, share_prefix=False),
+    Case(seqs=[(30, 45), (1, 12), (9, 9)], block_size=8, head_dim=32, group=1, num_kv_heads=3, share_prefix=False),
+], ids=["decode_g4", "decode_d128", "decode_generic", "chunks_g4_d64", "chunks_d128", "chunks_generic"])
+@pytest.mark.parametrize("window,cap", [(1, None), (5, None), (16, 3.0), (17, None), (40, 3.0), (None, 3.0),
+                                        (1000, None)])
+def test_sliding_window_and_soft_cap_vs_numpy(case, window, cap):
+    """Every path (decode rows, 16-token prompt chunks; blocks of 16 with heads of 64 or 128, and
+    any sizes) with windows of one key, shorter and longer than a block and than the context, and
+    a soft cap on scores large enough to feel it; the key blocks wholly before every query's window
+    hold NaN, so reading one would show."""
+    args, kw = case.build()
+    q, k, v, bt, sl, qsl, ns = args
+    q = q * 4  # scores of several units: the cap bends them
+    k, v = np.array(k), np.array(v)
+    bs = k.shape[2]
+    for s in range(int(ns[0])):
+        first_pos = int(sl[s]) - int(qsl[s + 1] - qsl[s])  # the earliest query of the sequence
+        lo = max(0, first_pos - window + 1) if window else 0
+        for b in range(lo // bs):
+            k[:, int(bt[s, b])] = v[:, int(bt[s, b])] = np.nan
+    run = jax.jit(lambda *a: cpu_kernels.paged_attention(*a, scale=kw["scale"], sliding_window=window,
+                                                          logits_soft_cap=cap))
+    out = np.asarray(run(q, jnp.asarray(k), jnp.asarray(v), bt, sl, qsl, ns))
+    expected = np_ragged_window_cap(as_np(q), k, v, np.asarray(bt), np.asarray(sl), np.asarray(qsl), int(ns[0]),
+                                    kw["scale"], window, cap)
+    real = int(qsl[int(ns[0])])
+    check(out[:real], expected[:real], jnp.float32)
+    assert not out[real:].any()
+
+
+def test_window_and_cap_must_be_positive():
+    args, kw = decode_case([5]).build()
+    for bad in (dict(sliding_window=0), dict(logits_soft_cap=0.0), dict(logits_soft_cap=-1.0)):
+        with pytest.raises(ValueError):
+            cpu_kernels.paged_attention(*args, scale=kw["scale"], **bad)
 
 
 def test_more_query_tokens_than_context_is_an_error():

@@ -27,21 +27,21 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using jpaged::kLanes;
+using jpaged::Load;
+using jpaged::Store;
+using jpaged::Vec;
+
 // The register block per instruction set: kVecs vectors of kLanes floats per row (a panel of kPanel
-// columns), kRows rows, kRows x kVecs accumulators. AVX-512 (32 registers): 4 x 4 of 16 floats.
-// AVX/AVX2 and SSE (16 registers): 6 x 2, which leaves registers for the weight row and the
-// broadcast (a vector wider than the registers is kept in memory by the compiler, and is slow).
+// columns), kRows rows, kRows x kVecs accumulators. AVX-512 (32 registers): 4 x 4. AVX/AVX2 and SSE
+// (16 registers): 6 x 2, which leaves registers for the weight row and the broadcast.
 #ifdef __AVX512F__
-constexpr int64_t kLanes = 16, kVecs = 4, kRows = 4;
+constexpr int64_t kVecs = 4, kRows = 4;
 constexpr int64_t kFewRows = 0;               // a lone block prefetches its own rows instead
-#elif defined(__AVX__)
-constexpr int64_t kLanes = 8, kVecs = 2, kRows = 6;
-constexpr int64_t kFewRows = kRows;           // one block or less: FewRows
 #else
-constexpr int64_t kLanes = 4, kVecs = 2, kRows = 6;
-constexpr int64_t kFewRows = kRows;
+constexpr int64_t kVecs = 2, kRows = 6;
+constexpr int64_t kFewRows = kRows;           // one block or less: FewRows
 #endif
-typedef float Vec __attribute__((vector_size(kLanes * 4)));  // one vector register
 constexpr int64_t kPanel = kVecs * kLanes;    // columns per panel
 constexpr int64_t kAheadRows = 16;            // how far ahead a lone row block prefetches its rows
 constexpr int64_t kItemPanels = 32;           // most panels per work item (longer runs of each weight row)
@@ -51,13 +51,6 @@ constexpr int64_t kFewItemsPerWorker = 2;     // the same for FewRows
 constexpr int64_t kChunk = 64;                // weight rows per pass of the row blocks
 constexpr int64_t kDepth = 8;                 // weight rows per pass of FewRows
 
-inline Vec Load(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
 
 // out[r, :kPanel] (+)= x[r, k0:k1] @ w[k0:k1, :kPanel] for the R rows from x / out (leading dims
 // ldx, ldo; w at the panel's first column, leading dim N): the sums start from zero when k0 is 0,
