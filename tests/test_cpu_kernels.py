@@ -8,14 +8,32 @@ import numpy as np
 import pytest
 
 from jpaged_kernels import cpu as cpu_kernels
-from jpaged_kernels.cpu import library
+from jpaged_kernels.cpu import library, measure
 from test_kernels import Case, as_np, check, check_ragged_reference, decode_case, np_context, np_ragged
 
 pytestmark = pytest.mark.skipif(library.compiler() is None, reason="no C++ compiler on this machine")
 
 
+@pytest.fixture
+def forced_on(monkeypatch):
+    """The C++ kernels wherever they can serve, whatever was measured (the tests of where they can)."""
+    monkeypatch.setenv("JPAGED_CPU_KERNELS", "1")
+
+
+@pytest.fixture
+def fresh_choices(tmp_path, monkeypatch):
+    """No measured choice yet; they are kept in a file of the test's own."""
+    assert cpu_kernels.available()
+    monkeypatch.delenv("JPAGED_CPU_KERNELS", raising=False)
+    monkeypatch.setattr(library, "choices_path", lambda: str(tmp_path / "choices.json"))
+    for state in (measure._choices, measure._loaded, measure._logged):
+        monkeypatch.setattr(measure, next(k for k, v in vars(measure).items() if v is state), type(state)())
+    return tmp_path / "choices.json"
+
+
 def test_kernel_builds_into_its_cache_and_registers(tmp_path, monkeypatch):
     monkeypatch.setattr(library, "CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(library, "FLAGS", [f if f != "-O3" else "-O0" for f in library.FLAGS])  # a quick build
     path = library.build(library.compiler())
     assert os.path.dirname(path) == str(tmp_path) and os.path.getsize(path) > 0
     assert library.build(library.compiler()) == path  # a second call reuses the file
@@ -138,7 +156,7 @@ def test_ragged_attention_with_the_kernel_for_decode_rows_vs_numpy():
     check_ragged_reference(case, decode_attention=cpu_kernels.paged_decode)
 
 
-def test_used_for_float32_pages_only():
+def test_used_for_float32_pages_only(forced_on):
     q = jnp.zeros((2, 4, 8), jnp.float32)
     pages = jnp.zeros((1, 4, 8, 8), jnp.float32)
     assert cpu_kernels.runs("paged_attention", q, pages)
@@ -185,7 +203,7 @@ def test_greedy_matches_argmax_and_logsumexp_with_ties_nan_and_infinities():
     np.testing.assert_allclose(lse[keep], expected_lse[keep], rtol=1e-6)  # +-inf where jnp has them
 
 
-def test_greedy_sampling_through_the_kernel_equals_the_jnp_path(monkeypatch):
+def test_greedy_sampling_through_the_kernel_equals_the_jnp_path(monkeypatch, forced_on):
     from jpaged import sampler
     from jpaged.sampling_batch import build_sampling_tensors
     logits = jnp.asarray(np.random.default_rng(1).standard_normal((6, 300)).astype(np.float32))
@@ -223,7 +241,7 @@ def test_matmuls_of_several_weights_in_one_call():
         np.testing.assert_allclose(np.asarray(out), x.astype(np.float64) @ w, rtol=1e-4, atol=1e-3)
 
 
-def test_linear_layers_use_the_matmul_for_few_rows_only():
+def test_linear_layers_use_the_matmul_for_few_rows_only(forced_on):
     """`layers.dot_general`: the C++ matmul for a decode step's rows, XLA's dot for a prompt's, and
     for anything that is not a float32 [M, K] @ [K, N]; the same numbers either way."""
     from jpaged.models import layers
@@ -242,7 +260,7 @@ def test_linear_layers_use_the_matmul_for_few_rows_only():
     assert "jpaged_matmul" not in half
 
 
-def test_projections_of_one_input_share_one_call():
+def test_projections_of_one_input_share_one_call(forced_on):
     """`layers.project`: q, k and v (with biases) as one C++ call for a decode step's rows, as
     three XLA dots for a prompt's; layer by layer when one of them is not a plain `nnx.Linear`."""
     from flax import nnx
@@ -292,3 +310,67 @@ def test_matmul_is_differentiable():
     dense = two_weights(lambda x, ws: tuple(x @ w for w in ws))
     for a, b in zip(two_weights(cpu_kernels.matmuls), dense):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+def test_the_measured_choice_is_kept_beside_the_library_and_reused(fresh_choices, monkeypatch, caplog):
+    """A weight shape's row classes above one row are measured together at first use, kept in the
+    file, logged in one line, and then read back (a second process, here a cleared cache) without
+    measuring again; one row is measured on its own when first needed."""
+    import json
+    import logging
+    with caplog.at_level(logging.INFO, logger="jpaged"):
+        first = measure.matmul(64, (96, 32), 5)
+    saved = json.loads(fresh_choices.read_text())[measure.context()]
+    assert sorted(saved) == [f"matmul [64] x [96+32] rows<={b}" for b in (32, 64, 8)]
+    assert all(e["cpp_ms"] > 0 and e["xla_ms"] > 0 and e["cpp"] == (e["cpp_ms"] <= measure.MARGIN * e["xla_ms"])
+               for e in saved.values())
+    assert saved["matmul [64] x [96+32] rows<=8"]["cpp"] == first
+    lines = [r.getMessage() for r in caplog.records if "matmul [64] x [96+32]" in r.getMessage()]
+    assert len(lines) == 1 and "rows<=8" in lines[0] and "measured in" in lines[0]
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("measured again")
+    time_steps = measure.time_steps
+    monkeypatch.setattr(measure, "time_steps", no_timing)
+    measure._choices.clear()
+    measure._loaded.clear()
+    assert measure.matmul(64, (96, 32), 20) == saved["matmul [64] x [96+32] rows<=32"]["cpp"]
+    monkeypatch.setattr(measure, "time_steps", time_steps)
+    measure.matmul(64, (96, 32), 1)
+    assert "matmul [64] x [96+32] rows<=1" in json.loads(fresh_choices.read_text())[measure.context()]
+
+
+def test_runs_follows_the_choice_and_the_environment_overrides_it(fresh_choices, monkeypatch):
+    """`runs` serves a call with the C++ kernel where its class chose it, XLA where not;
+    ``JPAGED_CPU_KERNELS=1`` forces the kernel wherever it can serve."""
+    x, w = jnp.zeros((3, 64)), jnp.zeros((64, 48))
+    logits, q, pages = jnp.zeros((4, 300)), jnp.zeros((2, 4, 8)), jnp.zeros((1, 4, 8, 8))
+    for choice in (True, False):
+        entry = {"cpp": choice, "cpp_ms": 1.0, "xla_ms": 1.0}
+        measure._entries().update({"matmul [64] x [48] rows<=8": entry, "greedy [300] rows<=16": entry,
+                                   "paged_attention heads 4/1 x 8, blocks of 8": entry})
+        assert cpu_kernels.runs("matmul", x, w) == choice
+        assert cpu_kernels.runs("greedy", logits) == choice
+        assert cpu_kernels.runs("paged_attention", q, pages) == choice
+        monkeypatch.setenv("JPAGED_CPU_KERNELS", "1")
+        assert cpu_kernels.runs("matmul", x, w) and cpu_kernels.runs("greedy", logits)
+        monkeypatch.delenv("JPAGED_CPU_KERNELS")
+    assert not cpu_kernels.runs("matmul", jnp.zeros((cpu_kernels.MATMUL_ROWS + 1, 64)), w)
+
+
+def test_a_failed_measurement_keeps_xla(fresh_choices, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no")
+    monkeypatch.setattr(measure, "time_steps", broken)
+    assert not measure.greedy(100, 3)
+    assert not measure._entries()["greedy [100] rows<=16"]["cpp"]
+
+
+def test_probes_time_each_step_of_one_program():
+    """`measure.time_steps`: every step's own time, in order (a matmul with more rows takes longer
+    than one with fewer: the order of the durations, not their size, is checked)."""
+    w = np.ones((256, 2048), np.float32)
+    small, big = np.ones((1, 256), np.float32), np.ones((64, 256), np.float32)
+    seconds = measure.time_steps([(lambda w, s, b: s @ w, 1), (lambda w, s, b: b @ w @ w.T @ w, 2)],
+                                 [w, small, big], evict=(0,))
+    assert len(seconds) == 2 and 0 < seconds[0] < seconds[1] < 1
