@@ -120,7 +120,7 @@ def cpu_model_and_isa() -> tuple[str, str]:
     return model, isa
 
 
-def gemm_peak_gflops(n: int = 2048, runs: int = 3) -> float:
+def gemm_peak_gflops(n: int = 2048, runs: int = 5) -> float:
     """float32 GFLOP/s of an ``n``^3 matmul in XLA, the best of ``runs`` after a warm-up: the
     machine's practical compute peak (XLA's GEMM on every core)."""
     import time
@@ -146,7 +146,7 @@ def describe_machine() -> float:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     peak = gemm_peak_gflops()
     print(f"machine: {model} ({isa}, {cores} cores, load average {load:.2f} before the run); float32 GEMM peak "
-          f"{peak:.0f} GFLOP/s (XLA 2048^3 matmul, best of 3, measured now)", flush=True)
+          f"{peak:.0f} GFLOP/s (XLA 2048^3 matmul, best of 5, measured now)", flush=True)
     return peak
 
 

@@ -227,6 +227,34 @@ def test_matmul_vs_numpy(m, k, n):
     np.testing.assert_allclose(out, x.astype(np.float64) @ w, rtol=1e-4, atol=1e-4 * np.sqrt(k))
 
 
+@pytest.mark.parametrize("m,k,n", [(1, 576, 1000), (2, 7, 13), (5, 64, 6), (3, 100, 37), (64, 96, 130)])
+def test_matmul_with_the_weight_transposed_vs_numpy(m, k, n):
+    """``x @ w.T`` for ``w [N, K]``: blocks of 2 rows x 6 weight rows and their rest, K past the last
+    whole vector."""
+    rng = np.random.default_rng(m * n)
+    x, w = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((n, k)).astype(np.float32)
+    out = np.asarray(jax.jit(cpu_kernels.matmul_t)(x, w))
+    np.testing.assert_allclose(out, x.astype(np.float64) @ w.T, rtol=1e-4, atol=1e-4 * np.sqrt(k))
+    grads = jax.grad(lambda x, w: jnp.sum(jnp.sin(cpu_kernels.matmul_t(x, w))), argnums=(0, 1))(x, w)
+    dense = jax.grad(lambda x, w: jnp.sum(jnp.sin(x @ w.T)), argnums=(0, 1))(x, w)
+    for a, b in zip(grads, dense):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-3)
+
+
+def test_tied_logits_use_the_transposed_matmul(forced_on):
+    """`layers.tied_or_head_logits` with a tied embedding: the C++ ``x @ table.T`` for float32 rows,
+    the embedding's own ``attend`` otherwise; the same numbers."""
+    from flax import nnx
+    from jpaged.models import layers
+    embed = nnx.Embed(300, 64, rngs=nnx.Rngs(0))
+    hidden = jnp.asarray(np.random.default_rng(0).standard_normal((5, 64)).astype(np.float32))
+    hlo = jax.jit(lambda h: layers.tied_or_head_logits(embed, None, h)).lower(hidden).as_text()
+    assert "jpaged_matmul_t" in hlo
+    np.testing.assert_allclose(np.asarray(layers.tied_or_head_logits(embed, None, hidden)),
+                               np.asarray(embed.attend(hidden)), rtol=1e-5, atol=1e-5)
+    assert not cpu_kernels.runs("matmul_t", hidden.astype(jnp.bfloat16), embed.embedding[...].astype(jnp.bfloat16))
+
+
 def test_matmuls_of_several_weights_in_one_call():
     """One call for several weights of different widths (whole panels, a column tail, one narrower
     than a panel): each output is its own x @ w, in the order given."""
@@ -348,8 +376,10 @@ def test_runs_follows_the_choice_and_the_environment_overrides_it(fresh_choices,
     for choice in (True, False):
         entry = {"cpp": choice, "cpp_ms": 1.0, "xla_ms": 1.0}
         measure._entries().update({"matmul [64] x [48] rows<=8": entry, "greedy [300] rows<=16": entry,
-                                   "paged_attention heads 4/1 x 8, blocks of 8": entry})
+                                   "paged_attention heads 4/1 x 8, blocks of 8": entry,
+                                   "matmul_t [64] x [48, 64]^T rows<=8": entry})
         assert cpu_kernels.runs("matmul", x, w) == choice
+        assert cpu_kernels.runs("matmul_t", x, w.T) == choice
         assert cpu_kernels.runs("greedy", logits) == choice
         assert cpu_kernels.runs("paged_attention", q, pages) == choice
         monkeypatch.setenv("JPAGED_CPU_KERNELS", "1")

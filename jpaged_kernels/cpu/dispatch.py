@@ -13,7 +13,7 @@ from jax.sharding import AxisType
 
 from jpaged_kernels.cpu import library, measure
 
-KERNELS = ("paged_attention", "matmul", "greedy")
+KERNELS = ("paged_attention", "matmul", "matmul_t", "greedy")
 MATMUL_ROWS = measure.MATMUL_ROWS[-1]  # the C++ matmul serves x [M, K] @ w [K, N] with M up to this
 
 
@@ -28,15 +28,17 @@ def _auto_sharded() -> bool:
 def runs(kernel: str, *arrays, k_scales=None) -> bool:
     """Whether the C++ ``kernel`` (one of `KERNELS`) serves a call on ``arrays``: for
     ``"paged_attention"`` the query and the pages (``k_scales``: the 8-bit pages' scales, or None),
-    for ``"matmul"`` ``x [M, K]`` and the weights ``[K, N]``, for ``"greedy"`` the logits."""
+    for ``"matmul"`` ``x [M, K]`` and the weights ``[K, N]``, for ``"matmul_t"`` ``x [M, K]`` and one
+    weight stored transposed ``[N, K]``, for ``"greedy"`` the logits."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}: expected one of {KERNELS}")
     if not (arrays and k_scales is None and all(x.dtype == jnp.float32 for x in arrays)):
         return False
-    if kernel == "matmul":
+    if kernel in ("matmul", "matmul_t"):
         x, *weights = arrays
-        if not (x.ndim == 2 and x.shape[0] <= MATMUL_ROWS
-                and all(w.ndim == 2 and w.shape[0] == x.shape[1] for w in weights)):
+        contracted = 0 if kernel == "matmul" else 1
+        if not (x.ndim == 2 and x.shape[0] <= MATMUL_ROWS and (kernel == "matmul" or len(weights) == 1)
+                and all(w.ndim == 2 and w.shape[contracted] == x.shape[1] for w in weights)):
             return False
     if _auto_sharded() or jax.default_backend() != "cpu" or not library.available():
         return False
@@ -44,6 +46,8 @@ def runs(kernel: str, *arrays, k_scales=None) -> bool:
         return True
     if kernel == "matmul":
         return measure.matmul(x.shape[1], tuple(w.shape[1] for w in weights), x.shape[0])
+    if kernel == "matmul_t":
+        return measure.matmul_t(x.shape[1], weights[0].shape[0], x.shape[0])
     if kernel == "greedy":
         logits = arrays[0]
         return logits.ndim == 2 and measure.greedy(logits.shape[1], logits.shape[0])

@@ -13,7 +13,7 @@
 // runs; with AVX-512 a lone block prefetches its own rows a little ahead. Runs of neighbouring
 // panels of a weight (long runs of each weight row: memory streams better) are shared with XLA's
 // intra-op thread pool (common.h); the weights of one call (a layer's q, k and v; its gate and up)
-// share one hand-off.
+// share one hand-off. jpaged_matmul_t takes the weight transposed, w [N, K] (DotRows).
 
 #include <algorithm>
 #include <cstdint>
@@ -243,6 +243,79 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
   return ffi::Error::Success();
 }
 
+// The sum of v's lanes.
+inline float SumLanes(Vec v) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < kLanes; ++i) sum += v[i];
+  return sum;
+}
+
+// With the weight stored transposed, w [N, K] (a tied embedding table used as the output
+// projection): out[m, n] = x[m, :] . w[n, :], the weight read row after row where it lies. R rows
+// of x and J rows of w at a time, R x J partial sums in registers along K, summed across their
+// lanes at the end; the J weight rows (a few KB) stay in L1 while every block of x's rows passes.
+constexpr int64_t kDotRows = 2, kDotWeightRows = 6;  // R x J = 12 accumulators of 16 registers
+
+template <int R, int J>
+void DotBlock(const float* x, const float* w, int64_t K, float* out, int64_t ldo) {
+  Vec acc[R][J] = {};
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes) {
+    Vec xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = Load(x + r * K + k);
+    for (int j = 0; j < J; ++j) {
+      const Vec wv = Load(w + j * K + k);
+      for (int r = 0; r < R; ++r) acc[r][j] += xv[r] * wv;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < J; ++j) {
+      float sum = SumLanes(acc[r][j]);
+      for (int64_t t = k; t < K; ++t) sum += x[r * K + t] * w[j * K + t];
+      out[r * ldo + j] = sum;
+    }
+  }
+}
+
+// DotBlock<R, j> for 1 <= j <= J weight rows.
+template <int R, int J>
+void DotRest(int64_t rows, const float* x, const float* w, int64_t K, float* out, int64_t ldo) {
+  if constexpr (J > 1) {
+    if (rows < J) return DotRest<R, J - 1>(rows, x, w, K, out, ldo);
+  }
+  DotBlock<R, J>(x, w, K, out, ldo);
+}
+
+// out[:, n0:n1] for every row of x [M, K], w [N, K].
+void DotRows(const float* x, const float* w, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, float* out) {
+  for (int64_t n = n0; n < n1; n += kDotWeightRows) {
+    const int64_t rows = std::min(kDotWeightRows, n1 - n);
+    const float* wn = w + n * K;
+    int64_t m = 0;
+    for (; m + kDotRows <= M; m += kDotRows) DotRest<kDotRows, kDotWeightRows>(rows, x + m * K, wn, K, out + m * N + n, N);
+    for (; m < M; ++m) DotRest<1, kDotWeightRows>(rows, x + m * K, wn, K, out + m * N + n, N);
+  }
+}
+
+// out[M, N] = x[M, K] @ w[N, K]^T, the rows of w shared with XLA's intra-op thread pool in runs of
+// about kItemsPerWorker per worker.
+ffi::Error MatmulTransposedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                                ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || wd[1] != xd[1] || od.size() != 2 || od[0] != xd[0] || od[1] != wd[0]) {
+    return ffi::Error::InvalidArgument("jpaged_matmul_t: expected x [M, K], w [N, K] and out [M, N]");
+  }
+  const int64_t M = xd[0], K = xd[1], N = wd[0];
+  const int64_t items = std::max<int64_t>(1, std::min(N / kDotWeightRows, kItemsPerWorker * jpaged::Workers(pool)));
+  const int64_t per_item = ((N + items - 1) / items + kDotWeightRows - 1) / kDotWeightRows * kDotWeightRows;
+  const float *xp = x.typed_data(), *wp = w.typed_data();
+  float* o = out->typed_data();
+  jpaged::ParallelFor(pool, (N + per_item - 1) / per_item, [&](int64_t i) {
+    DotRows(xp, wp, M, K, N, i * per_item, std::min(N, (i + 1) * per_item), o);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedMatmul, MatmulImpl,
@@ -251,3 +324,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedMatmul, MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .RemainingArgs()                 // weights
                                   .RemainingRets());               // one output per weight
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedMatmulTransposed, MatmulTransposedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // w [N, K]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [M, N]

@@ -10,6 +10,7 @@ kernel only where it takes at most `MARGIN` of XLA's time. Shape classes:
   of `MATMUL_ROWS`, measured at that bound (the most rows, where XLA's GEMM does best). The classes
   above one row are measured together (XLA's dot is a library call there: its program compiles in
   milliseconds); one row (XLA emits its own matrix-vector code) alone, when first needed.
+- matmul_t (the weight stored ``[N, K]``): the same, against XLA's ``x @ w.T``.
 - greedy: the vocabulary and a row class of `GREEDY_ROWS`, each when first needed.
 - paged attention: the heads, head size and block size, on one step of decode rows and a prompt
   (compiling XLA's path for it takes seconds: the price of a first use).
@@ -172,14 +173,27 @@ def matmul(k: int, widths: tuple, rows: int) -> bool:
                    lambda: _measure_matmul(k, widths, bounds, batch))
 
 
-def _measure_matmul(k, widths, bounds, keys):
-    args = [_filled((k, n)) for n in widths] + [_filled((b, k), 0.1) for b in bounds]
+def matmul_t(k: int, n: int, rows: int) -> bool:
+    """Whether the C++ matmul serves ``x [rows, k] @ w.T`` with ``w [n, k]``."""
+    group = f"matmul_t [{k}] x [{n}, {k}]^T"
+    bounds = MATMUL_ROWS[:1] if rows <= MATMUL_ROWS[0] else MATMUL_ROWS[1:]
+    batch = [f"{group} rows<={b}" for b in bounds]
+    return _decide(group, batch, f"{group} rows<={row_class(rows, MATMUL_ROWS)}",
+                   lambda: _measure_matmul(k, (n,), bounds, batch, transposed=True))
+
+
+def _measure_matmul(k, widths, bounds, keys, transposed=False):
+    args = [_filled((n, k) if transposed else (k, n)) for n in widths] + [_filled((b, k), 0.1) for b in bounds]
     weights = list(range(len(widths)))
     steps = []
     for i in range(len(bounds)):
         x = len(widths) + i
-        steps.append((lambda *a, x=x: ops.matmuls(a[x], [a[j] for j in weights]), x))
-        steps.append((lambda *a, x=x: [a[x] @ a[j] for j in weights], x))
+        if transposed:
+            steps.append((lambda *a, x=x: ops.matmul_t(a[x], a[0]), x))
+            steps.append((lambda *a, x=x: a[x] @ a[0].T, x))
+        else:
+            steps.append((lambda *a, x=x: ops.matmuls(a[x], [a[j] for j in weights]), x))
+            steps.append((lambda *a, x=x: [a[x] @ a[j] for j in weights], x))
     seconds = time_steps(steps, args, evict=weights)
     return {key: _entry(seconds[2 * i], seconds[2 * i + 1]) for i, key in enumerate(keys)}
 

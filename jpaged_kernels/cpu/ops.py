@@ -4,7 +4,8 @@
   reading its own blocks straight from the pool (``paged_attention.cc``); float32 pages.
 - ``greedy``: each row's first maximum and log-sum-exp in one pass over the row (``greedy.cc``).
 - ``matmul`` / ``matmuls``: float32 ``x [M, K] @ w [K, N]`` for few rows, the weight streamed once
-  where it lies (``matmul.cc``); several weights of one input in one call.
+  where it lies (``matmul.cc``); several weights of one input in one call. ``matmul_t``: the same
+  with the weight stored transposed, ``x @ w.T`` for ``w [N, K]`` (a tied embedding's logits).
 """
 import functools
 
@@ -80,3 +81,23 @@ def _matmuls_backward(saved, grads):
 
 
 matmuls.defvjp(_matmuls_forward, _matmuls_backward)
+
+
+@jax.custom_vjp
+def matmul_t(x, w):
+    """float32 ``x [M, K] @ w.T`` for ``w [N, K]``, read where it lies. Differentiable like `matmul`."""
+    _require()
+    call = jax.ffi.ffi_call("jpaged_matmul_t", jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
+    return call(x, w)
+
+
+def _matmul_t_forward(x, w):
+    return matmul_t(x, w), (x, w)
+
+
+def _matmul_t_backward(saved, grad):
+    x, w = saved
+    return grad @ w, grad.T @ x
+
+
+matmul_t.defvjp(_matmul_t_forward, _matmul_t_backward)
