@@ -63,9 +63,11 @@ struct ScoreRule {
 // Keys [0, lo) and [hi, n) of s get -inf (outside a row's window, or after its position); returns
 // the largest of the others.
 inline float MaskKeys(float* s, int64_t n, int64_t lo, int64_t hi) {
-  float block_max = -std::numeric_limits<float>::infinity();
+  constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+  float block_max = kMinusInf;
+#pragma omp simd reduction(max : block_max)
   for (int64_t t = 0; t < n; ++t) {
-    if (t < lo || t >= hi) s[t] = -std::numeric_limits<float>::infinity();
+    s[t] = t >= lo && t < hi ? s[t] : kMinusInf;
     block_max = std::max(block_max, s[t]);
   }
   return block_max;
