@@ -307,12 +307,12 @@ def run_matmul(peak: float):
           "GEMM peak; ratios: time / the C++ kernel's")
     for name in _MODEL.value:
         for k, widths in weight_groups(model_dir(name, CACHE_DIR)):
-            weights = [measure._filled((k, n)) for n in widths]
+            weights = [measure.filled((k, n)) for n in widths]
             transposed = [np.ascontiguousarray(w.T) for w in weights]
             half = [w.astype(jnp.bfloat16) for w in weights]
             size, width = len(widths), sum(widths)
             for rows in map(int, _ROWS.value):
-                x = measure._filled((rows, k), 0.1)
+                x = measure.filled((rows, k), 0.1)
                 args = [*weights, *transposed, *half, x, x.astype(jnp.bfloat16)]
                 ws = lambda a, i: a[i * size:(i + 1) * size]  # noqa: E731
                 steps = [(lambda *a: cpu_kernels.matmuls(a[-2], ws(a, 0)), 3 * size),

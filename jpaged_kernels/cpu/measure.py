@@ -96,14 +96,15 @@ def _decide(group: str, batch: list, key: str, measure) -> bool:
             start = time.perf_counter()
             try:
                 new = measure()
-            except Exception as error:  # noqa: BLE001 - a failed measurement keeps XLA's path
+            except Exception as error:  # noqa: BLE001 - a failed measurement keeps XLA's path (this process)
                 logger.warning("measuring the C++ CPU kernel for %s failed (%s): XLA's path serves", group, error)
-                new = {k: {"cpp": False, "cpp_ms": None, "xla_ms": None} for k in batch}
+                entries.update({k: {"cpp": False, "cpp_ms": None, "xla_ms": None} for k in batch})
+                return False
             entries.update(new)
             _save(new)
             _log(group, batch, f"measured in {time.perf_counter() - start:.2f} s, kept in")
         elif (group, key) not in _logged:
-            _log(group, [k for k in entries if k.startswith(group)], "cached in")
+            _log(group, [k for k in entries if k == group or k.startswith(group + " ")], "cached in")
         return entries[key]["cpp"]
 
 
@@ -158,7 +159,7 @@ def _entry(cpp_s: float, xla_s: float) -> dict:
     return {"cpp": cpp_s <= MARGIN * xla_s, "cpp_ms": cpp_s * 1e3, "xla_ms": xla_s * 1e3}
 
 
-def _filled(shape, scale=0.01):
+def filled(shape, scale=0.01):
     """A cheap array of small non-zero values (the timings do not depend on them)."""
     return np.full(shape, scale, np.float32) + np.arange(shape[-1], dtype=np.float32) * (scale / shape[-1])
 
@@ -183,7 +184,7 @@ def matmul_t(k: int, n: int, rows: int) -> bool:
 
 
 def _measure_matmul(k, widths, bounds, keys, transposed=False):
-    args = [_filled((n, k) if transposed else (k, n)) for n in widths] + [_filled((b, k), 0.1) for b in bounds]
+    args = [filled((n, k) if transposed else (k, n)) for n in widths] + [filled((b, k), 0.1) for b in bounds]
     weights = list(range(len(widths)))
     steps = []
     for i in range(len(bounds)):
@@ -215,7 +216,7 @@ def greedy(vocab: int, rows: int) -> bool:
 
 def _measure_greedy(vocab, rows, key):
     steps = [(lambda x: ops.greedy(x), 0), (lambda x: (_argmax(x), jax.nn.logsumexp(x, axis=-1)), 0)]
-    cpp, xla = time_steps(steps, [_filled((rows, vocab), 1.0)])
+    cpp, xla = time_steps(steps, [filled((rows, vocab), 1.0)])
     return {key: _entry(cpp, xla)}
 
 
