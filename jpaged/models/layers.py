@@ -114,8 +114,12 @@ def run_layers(layers, x, kv_caches, *args, kv_layout=None):
 
 
 def tied_or_head_logits(embed: nnx.Embed, lm_head, hidden):
-    """float32 logits from ``lm_head``, or from the embedding table when the two are tied (None)."""
+    """float32 logits from ``lm_head``, or from the embedding table when the two are tied (None;
+    the C++ `jpaged_kernels.cpu.matmul_t` where `jpaged_kernels.cpu.runs` says so)."""
     if lm_head is None:
+        table = embed.embedding[...]
+        if hidden.ndim == 2 and cpu.runs("matmul_t", hidden, table):
+            return cpu.matmul_t(hidden, table)
         return embed.attend(hidden).astype(jnp.float32)
     return lm_head(hidden).astype(jnp.float32)
 

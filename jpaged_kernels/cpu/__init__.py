@@ -3,6 +3,6 @@ matmuls. `runs` decides where they serve; `library` builds, caches and registers
 
 from jpaged_kernels.cpu.dispatch import MATMUL_ROWS, runs
 from jpaged_kernels.cpu.library import available
-from jpaged_kernels.cpu.ops import greedy, matmul, matmuls, paged_attention, paged_decode
+from jpaged_kernels.cpu.ops import greedy, matmul, matmul_t, matmuls, paged_attention, paged_decode
 
-__all__ = ["MATMUL_ROWS", "available", "greedy", "matmul", "matmuls", "paged_attention", "paged_decode", "runs"]
+__all__ = ["MATMUL_ROWS", "available", "greedy", "matmul", "matmul_t", "matmuls", "paged_attention", "paged_decode", "runs"]

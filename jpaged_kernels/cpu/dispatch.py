@@ -1,19 +1,20 @@
 """Where a C++ kernel runs: the one place that decides, for every call site.
 
-A C++ kernel serves a call when the library is built (`library.available`), the computation is
+A C++ kernel can serve a call when the library is built (`library.available`), the computation is
 for the CPU, every array is float32 (attention: pages without 8-bit scales), and the arrays are
 not split across devices by XLA's automatic partitioning (a custom call cannot be partitioned;
 inside ``shard_map``, where each device holds its own slice, it runs). The matmul takes at most
-`MATMUL_ROWS` rows: above them XLA's GEMM is as fast.
+`MATMUL_ROWS` rows. Where it can, it serves if it was measured faster than the XLA path it replaces
+for the call's shape class on this machine (`measure`), or wherever ``JPAGED_CPU_KERNELS=1``.
 """
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType
 
-from jpaged_kernels.cpu import library
+from jpaged_kernels.cpu import library, measure
 
-KERNELS = ("paged_attention", "matmul", "greedy")
-MATMUL_ROWS = 64  # the C++ matmul serves x [M, K] @ w [K, N] with M up to this
+KERNELS = ("paged_attention", "matmul", "matmul_t", "greedy")
+MATMUL_ROWS = measure.MATMUL_ROWS[-1]  # the C++ matmul serves x [M, K] @ w [K, N] with M up to this
 
 
 def _auto_sharded() -> bool:
@@ -31,17 +32,31 @@ def _target_platform() -> str:
     return device.platform if device is not None and not isinstance(device, str) else jax.default_backend()
 
 
-def runs(kernel: str, *arrays, k_scales=None) -> bool:
+def runs(kernel: str, *arrays, kv_scales=None) -> bool:
     """Whether the C++ ``kernel`` (one of `KERNELS`) serves a call on ``arrays``: for
-    ``"paged_attention"`` the query and the pages (``k_scales``: the 8-bit pages' scales, or None),
-    for ``"matmul"`` ``x [M, K]`` and the weights ``[K, N]``, for ``"greedy"`` the logits."""
+    ``"paged_attention"`` the query and the pages (``kv_scales``: the 8-bit pages' scale words, or None),
+    for ``"matmul"`` ``x [M, K]`` and the weights ``[K, N]``, for ``"matmul_t"`` ``x [M, K]`` and one
+    weight stored transposed ``[N, K]``, for ``"greedy"`` the logits."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}: expected one of {KERNELS}")
-    if not (arrays and k_scales is None and all(x.dtype == jnp.float32 for x in arrays)):
+    if not (arrays and kv_scales is None and all(x.dtype == jnp.float32 for x in arrays)):
         return False
-    if kernel == "matmul":
+    if kernel in ("matmul", "matmul_t"):
         x, *weights = arrays
-        if not (x.ndim == 2 and x.shape[0] <= MATMUL_ROWS
-                and all(w.ndim == 2 and w.shape[0] == x.shape[1] for w in weights)):
+        contracted = 0 if kernel == "matmul" else 1
+        if not (x.ndim == 2 and x.shape[0] <= MATMUL_ROWS and (kernel == "matmul" or len(weights) == 1)
+                and all(w.ndim == 2 and w.shape[contracted] == x.shape[1] for w in weights)):
             return False
-    return not _auto_sharded() and _target_platform() == "cpu" and library.available()
+    if _auto_sharded() or _target_platform() != "cpu" or not library.available():
+        return False
+    if library.forced():
+        return True
+    if kernel == "matmul":
+        return measure.matmul(x.shape[1], tuple(w.shape[1] for w in weights), x.shape[0])
+    if kernel == "matmul_t":
+        return measure.matmul_t(x.shape[1], weights[0].shape[0], x.shape[0])
+    if kernel == "greedy":
+        logits = arrays[0]
+        return logits.ndim == 2 and measure.greedy(logits.shape[1], logits.shape[0])
+    q, pages = arrays[0], arrays[1]
+    return measure.paged_attention(q.shape[1], pages.shape[0], pages.shape[3], pages.shape[2])

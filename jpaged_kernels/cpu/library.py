@@ -4,7 +4,8 @@ The sources (``*.cc``, ``common.h`` beside this file) are compiled on first use 
 C++ compiler (``$CXX``, ``g++`` or ``c++``) against the XLA FFI headers that jaxlib ships, into
 ``~/.cache/jpaged/cpu_kernels`` under a name keyed by the sources, the flags, the jaxlib version and
 the CPU, then registered as XLA custom calls for the CPU platform. A build that fails leaves nothing
-behind, and `available` is then False (with one log line), so callers keep the XLA paths.
+behind, and `available` is then False (with one log line), so callers keep the XLA paths. The
+measured choices of where each kernel serves (`measure`) are kept beside the library.
 """
 import ctypes
 import functools
@@ -19,10 +20,11 @@ import tempfile
 import jax
 
 CPU_DIR = os.path.dirname(os.path.abspath(__file__))
-SOURCES = [os.path.join(CPU_DIR, name) for name in ("paged_attention.cc", "greedy.cc", "matmul.cc")]
+SOURCES = [os.path.join(CPU_DIR, name) for name in ("paged_attention.cc", "greedy.cc", "matmul.cc", "probe.cc")]
 HEADERS = [os.path.join(CPU_DIR, "common.h")]
 TARGETS = {"jpaged_paged_attention": "JpagedPagedAttention", "jpaged_greedy": "JpagedGreedy",
-           "jpaged_matmul": "JpagedMatmul"}  # custom call name: its handler's symbol
+           "jpaged_matmul": "JpagedMatmul", "jpaged_matmul_t": "JpagedMatmulTransposed",
+           "jpaged_probe": "JpagedProbe"}  # custom call name: its handler's symbol
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-ffast-math",
          "-fno-finite-math-only", "-std=c++17", "-shared", "-fPIC"]
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "cpu_kernels")
@@ -71,7 +73,7 @@ def build(cxx: str) -> str:
     return path
 
 
-_registered: list = []  # the loaded library, once: XLA refuses a second handler for one name
+_registered: list = []  # (the loaded library, its path), once: XLA refuses a second handler for one name
 
 
 def register(path: str) -> None:
@@ -79,14 +81,38 @@ def register(path: str) -> None:
         library = ctypes.cdll.LoadLibrary(path)
         for name, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
-        _registered.append(library)
+        library.JpagedProbeSeconds.restype = ctypes.c_double
+        library.JpagedProbeSeconds.argtypes = [ctypes.c_int64]
+        _registered.append((library, path))
+
+
+def probe_seconds(slot: int) -> float:
+    """How long the operation after ``jpaged_probe`` slot ``slot`` took, in the last program run."""
+    return _registered[0][0].JpagedProbeSeconds(slot)
+
+
+def choices_path() -> str:
+    """The file beside the loaded library that keeps the measured choices (`measure`)."""
+    return os.path.splitext(_registered[0][1])[0] + ".choices.json"
+
+
+def forced() -> bool | None:
+    """``JPAGED_CPU_KERNELS``: "1" forces the C++ kernels on wherever they can serve (True), "0" off
+    (False); unset, the measured choice decides (None)."""
+    value = os.environ.get("JPAGED_CPU_KERNELS")
+    if value in (None, ""):
+        return None
+    if value not in ("0", "1"):
+        logger.warning("JPAGED_CPU_KERNELS=%r: expected 0 or 1; the measured choice decides", value)
+        return None
+    return value == "1"
 
 
 @functools.cache
 def available() -> bool:
     """Builds (once) and registers the kernels; False, with one log line, where that fails, and
     where ``JPAGED_CPU_KERNELS=0`` turns them off."""
-    if os.environ.get("JPAGED_CPU_KERNELS") == "0":
+    if forced() is False:
         return False
     cxx = compiler()
     if cxx is None:

@@ -4,7 +4,8 @@
   reading its own blocks straight from the pool (``paged_attention.cc``); float32 pages.
 - ``greedy``: each row's first maximum and log-sum-exp in one pass over the row (``greedy.cc``).
 - ``matmul`` / ``matmuls``: float32 ``x [M, K] @ w [K, N]`` for few rows, the weight streamed once
-  where it lies (``matmul.cc``); several weights of one input in one call.
+  where it lies (``matmul.cc``); several weights of one input in one call. ``matmul_t``: the same
+  with the weight stored transposed, ``x @ w.T`` for ``w [N, K]`` (a tied embedding's logits).
 """
 import functools
 
@@ -21,15 +22,22 @@ def _require() -> None:
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, num_seqs, *, scale,
-                    prefill=True):
+                    prefill=True, sliding_window: int | None = None, logits_soft_cap: float | None = None):
     """float32 ``[T, Hq, D]``: the attention of every row (decode rows, and prompt chunks of 16
     tokens that attend causally); padding rows are zeros. ``prefill=False``: decode rows only, zeros
-    in every other row. Arguments as `jpaged_kernels.ragged_paged_attention`'s."""
+    in every other row. Arguments as `jpaged_kernels.ragged_paged_attention`'s; ``sliding_window``:
+    a query at position p attends the keys j with ``p - sliding_window < j <= p`` only;
+    ``logits_soft_cap``: each scaled score s becomes ``cap * tanh(s / cap)`` (Gemma 2)."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window={sliding_window}: expected a positive number of keys or None")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap={logits_soft_cap}: expected a positive cap or None")
     _require()
     call = jax.ffi.ffi_call("jpaged_paged_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     return call(q, k_pages, v_pages, i32(block_tables), i32(seq_lens), i32(query_start_loc),
-                i32(num_seqs).reshape(()), scale=np.float32(scale), prefill=np.int32(prefill))
+                i32(num_seqs).reshape(()), scale=np.float32(scale), prefill=np.int32(prefill),
+                sliding_window=np.int32(sliding_window or 0), logits_soft_cap=np.float32(logits_soft_cap or 0.0))
 
 
 paged_decode = functools.partial(paged_attention, prefill=False)
@@ -73,3 +81,23 @@ def _matmuls_backward(saved, grads):
 
 
 matmuls.defvjp(_matmuls_forward, _matmuls_backward)
+
+
+@jax.custom_vjp
+def matmul_t(x, w):
+    """float32 ``x [M, K] @ w.T`` for ``w [N, K]``, read where it lies. Differentiable like `matmul`."""
+    _require()
+    call = jax.ffi.ffi_call("jpaged_matmul_t", jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
+    return call(x, w)
+
+
+def _matmul_t_forward(x, w):
+    return matmul_t(x, w), (x, w)
+
+
+def _matmul_t_backward(saved, grad):
+    x, w = saved
+    return grad @ w, grad.T @ x
+
+
+matmul_t.defvjp(_matmul_t_forward, _matmul_t_backward)

@@ -1,13 +1,13 @@
 // Paged attention for the CPU, decode rows and prompt chunks: an XLA FFI custom call (built and
-// loaded by pallas_kernels/cpu_kernels.py).
+// loaded by library.py).
 //
 // Decode rows (a sequence s < num_seqs with one query token): the query heads of token
 // query_start_loc[s] attend to the first seq_lens[s] keys of the sequence's blocks. One work item
 // is one (sequence, KV head): its G = Hq / Hkv query heads walk the sequence's blocks once, block
 // by block, with an online softmax (one rescale per block), reading each key and value row
 // straight from the pool (no gathered copy) while the next block is prefetched: the pool is much
-// larger than the cache, so decode attention is bound by memory. With AVX-512, blocks of 16 tokens
-// and heads of 64 or 128 dims take a register-resident path (AttendRow16).
+// larger than the cache, so decode attention is bound by memory. Blocks of 16 tokens and heads of
+// 64 or 128 dims take a register-resident path with AVX-512 (AttendRow16).
 //
 // Prompt tokens (a sequence with more than one query token; only with the prefill attribute set):
 // chunks of kChunkTokens tokens, each attending causally to the context before it and to itself.
@@ -16,7 +16,11 @@
 // Items with the most context go first. Every other output row (padding) is zero; all items are
 // shared with XLA's intra-op thread pool (common.h).
 //
-// Layout (pallas_kernels/reference.py): q [T, Hq, D]; k_pages, v_pages [Hkv, NB, BS, D] float32;
+// Options (ScoreRule): logits_soft_cap c > 0 turns each scaled score s into c * tanh(s / c) (Gemma
+// 2); sliding_window w > 0 lets a query at position p see the keys j with p - w < j <= p only, and
+// key blocks wholly before its window are not read.
+//
+// Layout (jpaged_kernels/jnp/attention.py): q [T, Hq, D]; k_pages, v_pages [Hkv, NB, BS, D] float32;
 // block_tables [S, B], seq_lens [S], query_start_loc [S + 1], num_seqs [] int32.
 
 #include <algorithm>
@@ -36,8 +40,38 @@
 
 namespace ffi = xla::ffi;
 using jpaged::ExpNonPositive;
+using jpaged::kLanes;
+using jpaged::Vec;
 
 namespace {
+
+// The options every score goes through: a soft cap (cap > 0) and a sliding window (window > 0).
+struct ScoreRule {
+  int64_t window;
+  float cap;
+  // The first key position a query at position pos sees.
+  int64_t First(int64_t pos) const { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
+  // s[0, n) = cap * tanh(s / cap) where there is a cap.
+  void Cap(float* s, int64_t n) const {
+    if (cap <= 0.f) return;
+    const float inv = 1.f / cap;
+#pragma omp simd
+    for (int64_t t = 0; t < n; ++t) s[t] = cap * jpaged::Tanh(s[t] * inv);
+  }
+};
+
+// Keys [0, lo) and [hi, n) of s get -inf (outside a row's window, or after its position); returns
+// the largest of the others.
+inline float MaskKeys(float* s, int64_t n, int64_t lo, int64_t hi) {
+  constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+  float block_max = kMinusInf;
+#pragma omp simd reduction(max : block_max)
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = t >= lo && t < hi ? s[t] : kMinusInf;
+    block_max = std::max(block_max, s[t]);
+  }
+  return block_max;
+}
 
 float Dot(const float* a, const float* b, int64_t n) {
   float sum = 0.f;
@@ -107,11 +141,11 @@ inline void AddValues(float* acc, float correction, const float* p, const float*
 // query and accumulator rows live in registers.
 template <int kD>
 void AttendRow(const float* q, const float* k, const float* v, const int32_t* table, int64_t len,
-               int64_t G, int64_t D, int64_t BS, float scale, float* out) {
+               int64_t G, int64_t D, int64_t BS, float scale, const ScoreRule& rule, float* out) {
   if (kD > 0) D = kD;
   std::vector<float> acc(G * D, 0.f), m(G, -std::numeric_limits<float>::infinity()), l(G, 0.f), s(BS);
-  const int64_t num_blocks = (len + BS - 1) / BS, block_floats = BS * D;
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  const int64_t num_blocks = (len + BS - 1) / BS, block_floats = BS * D, lo = rule.First(len - 1);
+  for (int64_t b = lo / BS; b < num_blocks; ++b) {
     const float* kb = k + table[b] * block_floats;
     const float* vb = v + table[b] * block_floats;
     if (b + 1 < num_blocks) {
@@ -120,11 +154,9 @@ void AttendRow(const float* q, const float* k, const float* v, const int32_t* ta
     const int64_t n = std::min(BS, len - b * BS);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * D;
-      float block_max = -std::numeric_limits<float>::infinity();
-      for (int64_t t = 0; t < n; ++t) {
-        s[t] = Dot(qg, kb + t * D, D) * scale;
-        block_max = std::max(block_max, s[t]);
-      }
+      for (int64_t t = 0; t < n; ++t) s[t] = Dot(qg, kb + t * D, D) * scale;
+      rule.Cap(s.data(), n);
+      const float block_max = MaskKeys(s.data(), n, lo - b * BS, n);
       const float correction = SoftmaxBlock(s.data(), n, block_max, m[g], l[g]);
       AddValues<kD>(acc.data() + g * D, correction, s.data(), vb, n, D);
     }
@@ -160,18 +192,18 @@ inline __m512 SumLanes16(const __m512* v) {
 // while the block's values are added.
 template <int kChunks>
 void AttendRow16(const float* q, const float* k, const float* v, const int32_t* table, int64_t len,
-                 int64_t G, float scale, float* out) {
+                 int64_t G, float scale, const ScoreRule& rule, float* out) {
   constexpr int64_t D = 16 * kChunks, BS = 16;
   std::vector<float> acc(G * D, 0.f), m(G, -std::numeric_limits<float>::infinity()), l(G, 0.f);
-  const int64_t num_blocks = (len + BS - 1) / BS;
+  const int64_t num_blocks = (len + BS - 1) / BS, lo = rule.First(len - 1);
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   alignas(64) float p[BS];
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  for (int64_t b = lo / BS; b < num_blocks; ++b) {
     const float* kb = k + table[b] * BS * D;
     const float* vb = v + table[b] * BS * D;
     if (b + 1 < num_blocks) PrefetchBlock(k + table[b + 1] * BS * D, v + table[b + 1] * BS * D, BS * D * 4);
-    const int64_t n = std::min(BS, len - b * BS);
-    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+    const int64_t n = std::min(BS, len - b * BS), first = std::max<int64_t>(0, lo - b * BS);
+    const __mmask16 valid = static_cast<__mmask16>(((1u << n) - 1) & ~((1u << first) - 1));
     for (int64_t g = 0; g < G; ++g) {
       __m512 qg[kChunks], dots[BS];
       for (int c = 0; c < kChunks; ++c) qg[c] = _mm512_loadu_ps(q + g * D + 16 * c);
@@ -180,7 +212,13 @@ void AttendRow16(const float* q, const float* k, const float* v, const int32_t* 
         for (int c = 1; c < kChunks; ++c) dot = _mm512_fmadd_ps(qg[c], _mm512_loadu_ps(kb + t * D + 16 * c), dot);
         dots[t] = dot;
       }
-      const __m512 scores = _mm512_mask_blend_ps(valid, minus_inf, _mm512_mul_ps(SumLanes16(dots), _mm512_set1_ps(scale)));
+      __m512 scores = _mm512_mul_ps(SumLanes16(dots), _mm512_set1_ps(scale));
+      if (rule.cap > 0.f) {
+        _mm512_store_ps(p, scores);
+        rule.Cap(p, BS);
+        scores = _mm512_load_ps(p);
+      }
+      scores = _mm512_mask_blend_ps(valid, minus_inf, scores);
       _mm512_store_ps(p, scores);
       const float correction = SoftmaxBlock(p, BS, _mm512_reduce_max_ps(scores), m[g], l[g]);
       __m512 a[kChunks];
@@ -198,6 +236,8 @@ void AttendRow16(const float* q, const float* k, const float* v, const int32_t* 
 
 // Query tokens per prompt chunk: a chunk's G heads x kChunkTokens tokens share each key block.
 constexpr int64_t kChunkTokens = 16;
+// AttendChunk16's query rows per register block for heads of 128 dims (AVX-512: 2 rows of 8 vectors).
+constexpr int kWideRows = kLanes == 16 ? 2 : 4;
 
 // qc[(i * G + g) * D + d] = q[i * ldq + g * D + d] * scale: a prompt chunk's n tokens x G query
 // heads as rows, scaled once.
@@ -222,12 +262,12 @@ inline void TransposeKeys(const float* kb, int64_t keys, int64_t BS, int64_t D, 
 // block's keys (transposed once per block), then each row's online softmax is updated and the
 // block's values added to its accumulator. Any block and head size; AttendChunk16 is the fast path.
 void AttendChunk(const float* q, int64_t ldq, const float* k, const float* v, const int32_t* table, int64_t pos0,
-                 int64_t n, int64_t G, int64_t D, int64_t BS, float scale, float* out) {
+                 int64_t n, int64_t G, int64_t D, int64_t BS, float scale, const ScoreRule& rule, float* out) {
   const int64_t R = n * G, len = pos0 + n, num_blocks = (len + BS - 1) / BS, block_floats = BS * D;
   std::vector<float> qc(R * D), acc(R * D, 0.f), m(R, -std::numeric_limits<float>::infinity()), l(R, 0.f);
   std::vector<float> kt(D * BS), s(BS);
   GatherQueries(q, ldq, n, G, D, scale, qc.data());
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  for (int64_t b = rule.First(pos0) / BS; b < num_blocks; ++b) {
     const float* kb = k + table[b] * block_floats;
     const float* vb = v + table[b] * block_floats;
     if (b + 1 < num_blocks) {
@@ -236,8 +276,9 @@ void AttendChunk(const float* q, int64_t ldq, const float* k, const float* v, co
     const int64_t first = b * BS, keys = std::min(BS, len - first);
     TransposeKeys(kb, keys, BS, D, kt.data());
     for (int64_t r = 0; r < R; ++r) {
-      const int64_t visible = std::min(keys, pos0 + r / G - first + 1);  // keys this row may see
-      if (visible <= 0) continue;  // the block is wholly after this row's position
+      const int64_t pos = pos0 + r / G;
+      const int64_t lo = rule.First(pos) - first, hi = std::min(keys, pos - first + 1);  // the keys it sees
+      if (hi <= std::max<int64_t>(lo, 0)) continue;  // the block is wholly outside this row's window
       const float* qr = qc.data() + r * D;
       std::fill(s.begin(), s.end(), 0.f);
       for (int64_t d = 0; d < D; ++d) {
@@ -245,92 +286,93 @@ void AttendChunk(const float* q, int64_t ldq, const float* k, const float* v, co
 #pragma omp simd
         for (int64_t t = 0; t < BS; ++t) s[t] += qd * kt[d * BS + t];
       }
-      float block_max = -std::numeric_limits<float>::infinity();
-      for (int64_t t = 0; t < BS; ++t) {
-        if (t >= visible) s[t] = -std::numeric_limits<float>::infinity();
-        block_max = std::max(block_max, s[t]);
-      }
+      rule.Cap(s.data(), BS);
+      const float block_max = MaskKeys(s.data(), BS, lo, hi);
       const float correction = SoftmaxBlock(s.data(), BS, block_max, m[r], l[r]);
-      AddValues<0>(acc.data() + r * D, correction, s.data(), vb, visible, D);
+      AddValues<0>(acc.data() + r * D, correction, s.data(), vb, hi, D);
     }
   }
   WriteRows(acc.data(), l.data(), n, G, D, ldq, out);
 }
 
-// AttendChunk for blocks of 16 keys and D = 16 * kChunks (AVX-512 or not: GCC's vector type), kRows
-// query rows at a time: a row's 16 scores are one vector, built from the block's transposed keys
-// (each key-dimension vector loaded once for the kRows rows), and the rows' accumulators stay in
-// registers while the block's values are added.
-template <int kChunks, int kRows>
+// AttendChunk for blocks of 16 keys and heads of kD dims, kRows query rows at a time, in vector
+// registers of the instruction set: a row's 16 scores are 16 / kLanes vectors, built from the
+// block's transposed keys (each key-dimension vector loaded once for the kRows rows), and the rows'
+// accumulators stay in registers while the block's values are added, kStep vectors of each row at a
+// time.
+template <int kD, int kRows>
 void AttendChunk16(const float* q, int64_t ldq, const float* k, const float* v, const int32_t* table, int64_t pos0,
-                   int64_t n, int64_t G, float scale, float* out) {
-  typedef float Vec __attribute__((vector_size(64)));
-  typedef int32_t IVec __attribute__((vector_size(64)));
-  constexpr int64_t D = 16 * kChunks, BS = 16;
+                   int64_t n, int64_t G, float scale, const ScoreRule& rule, float* out) {
+  constexpr int64_t BS = 16, kScoreVecs = BS / kLanes, kRowVecs = kD / kLanes;
+  constexpr int64_t kStep = kLanes == 16 ? kRowVecs : 2;  // 16 registers without AVX-512
   const int64_t R = n * G, padded = (R + kRows - 1) / kRows * kRows, len = pos0 + n;
   const int64_t num_blocks = (len + BS - 1) / BS;
-  std::vector<Vec> qc(padded * kChunks), acc(padded * kChunks), kt(D);  // zeros: padding rows stay 0
+  std::vector<Vec> qc(padded * kRowVecs), acc(padded * kRowVecs), kt(kD * kScoreVecs);  // zeros: padding rows stay 0
   std::vector<float> m(padded, -std::numeric_limits<float>::infinity()), l(padded, 0.f);
   float* qf = reinterpret_cast<float*>(qc.data());
-  GatherQueries(q, ldq, n, G, D, scale, qf);
-  const IVec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const Vec minus_inf = Vec{} - std::numeric_limits<float>::infinity();
+  GatherQueries(q, ldq, n, G, kD, scale, qf);
   alignas(64) float p[kRows][BS];
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const float* kb = k + table[b] * BS * D;
-    const float* vb = v + table[b] * BS * D;
-    if (b + 1 < num_blocks) PrefetchBlock(k + table[b + 1] * BS * D, v + table[b + 1] * BS * D, BS * D * 4);
+  float correction[kRows];
+  for (int64_t b = rule.First(pos0) / BS; b < num_blocks; ++b) {
+    const float* kb = k + table[b] * BS * kD;
+    const float* vb = v + table[b] * BS * kD;
+    if (b + 1 < num_blocks) PrefetchBlock(k + table[b + 1] * BS * kD, v + table[b + 1] * BS * kD, BS * kD * 4);
     const int64_t first = b * BS, keys = std::min(BS, len - first);
-    TransposeKeys(kb, keys, BS, D, reinterpret_cast<float*>(kt.data()));  // kt[d] lane t: key t's dim d
+    TransposeKeys(kb, keys, BS, kD, reinterpret_cast<float*>(kt.data()));  // kt[d * kScoreVecs + i]: keys of dim d
     for (int64_t r0 = 0; r0 < padded; r0 += kRows) {
       if (pos0 + (r0 + kRows - 1) / G < first) continue;  // the block is wholly after these rows' positions
-      Vec sc[kRows] = {};
-      for (int64_t d = 0; d < D; ++d) {
-        const Vec kd = kt[d];
-        for (int j = 0; j < kRows; ++j) sc[j] += qf[(r0 + j) * D + d] * kd;
+      if (rule.First(pos0 + r0 / G) >= first + keys) continue;  // ... or wholly before their windows
+      Vec sc[kRows][kScoreVecs] = {};
+      for (int64_t d = 0; d < kD; ++d) {
+        Vec kd[kScoreVecs];
+        for (int i = 0; i < kScoreVecs; ++i) kd[i] = kt[d * kScoreVecs + i];
+        for (int j = 0; j < kRows; ++j) {
+          const float qd = qf[(r0 + j) * kD + d];
+          for (int i = 0; i < kScoreVecs; ++i) sc[j][i] += qd * kd[i];
+        }
       }
-      Vec a[kRows][kChunks];
       int64_t last = 0;  // keys any of the rows sees
       for (int j = 0; j < kRows; ++j) {
-        const int64_t visible = std::min(keys, pos0 + (r0 + j) / G - first + 1);
-        last = std::max(last, visible);
-        const Vec masked = lane < static_cast<int32_t>(visible) ? sc[j] : minus_inf;
-#ifdef __AVX512F__
-        const float block_max = _mm512_reduce_max_ps(reinterpret_cast<const __m512&>(masked));
-#else
-        float block_max = masked[0];
-        for (int t = 1; t < BS; ++t) block_max = std::max(block_max, masked[t]);
-#endif
-        std::memcpy(p[j], &masked, sizeof(masked));
-        float correction = 1.f;
-        if (visible > 0) {
-          correction = SoftmaxBlock(p[j], BS, block_max, m[r0 + j], l[r0 + j]);
+        const int64_t pos = pos0 + (r0 + j) / G;
+        const int64_t lo = rule.First(pos) - first, hi = std::min(keys, pos - first + 1);
+        std::memcpy(p[j], sc[j], sizeof(p[j]));
+        correction[j] = 1.f;
+        if (hi > std::max<int64_t>(lo, 0)) {
+          rule.Cap(p[j], BS);
+          const float block_max = MaskKeys(p[j], BS, lo, hi);
+          correction[j] = SoftmaxBlock(p[j], BS, block_max, m[r0 + j], l[r0 + j]);
+          last = std::max(last, hi);
         } else {
           std::fill(p[j], p[j] + BS, 0.f);
         }
-        for (int c = 0; c < kChunks; ++c) a[j][c] = acc[(r0 + j) * kChunks + c] * correction;
       }
-      for (int64_t t = 0; t < last; ++t) {
-        Vec vt[kChunks];
-        for (int c = 0; c < kChunks; ++c) std::memcpy(&vt[c], vb + t * D + 16 * c, sizeof(Vec));
+      for (int64_t c0 = 0; c0 < kRowVecs; c0 += kStep) {
+        Vec a[kRows][kStep];
         for (int j = 0; j < kRows; ++j) {
-          const float pj = p[j][t];
-          for (int c = 0; c < kChunks; ++c) a[j][c] += pj * vt[c];
+          for (int c = 0; c < kStep; ++c) a[j][c] = acc[(r0 + j) * kRowVecs + c0 + c] * correction[j];
         }
-      }
-      for (int j = 0; j < kRows; ++j) {
-        for (int c = 0; c < kChunks; ++c) acc[(r0 + j) * kChunks + c] = a[j][c];
+        for (int64_t t = 0; t < last; ++t) {
+          Vec vt[kStep];
+          for (int c = 0; c < kStep; ++c) vt[c] = jpaged::Load(vb + t * kD + (c0 + c) * kLanes);
+          for (int j = 0; j < kRows; ++j) {
+            const float pj = p[j][t];
+            for (int c = 0; c < kStep; ++c) a[j][c] += pj * vt[c];
+          }
+        }
+        for (int j = 0; j < kRows; ++j) {
+          for (int c = 0; c < kStep; ++c) acc[(r0 + j) * kRowVecs + c0 + c] = a[j][c];
+        }
       }
     }
   }
-  WriteRows(reinterpret_cast<const float*>(acc.data()), l.data(), n, G, D, ldq, out);
+  WriteRows(reinterpret_cast<const float*>(acc.data()), l.data(), n, G, kD, ldq, out);
 }
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
                            ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> block_tables,
                            ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
                            ffi::Buffer<ffi::S32> num_seqs, ffi::ResultBuffer<ffi::F32> out, float scale,
-                           int32_t prefill) {
+                           int32_t prefill, int32_t sliding_window, float logits_soft_cap) {
   const auto qd = q.dimensions();
   const auto kd = k_pages.dimensions();
   const auto vd = v_pages.dimensions();
@@ -349,6 +391,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   const int64_t rows = std::min<int64_t>(std::max<int32_t>(num_seqs.typed_data()[0], 0), S);
   float* o = out->typed_data();
   std::memset(o, 0, sizeof(float) * T * Hq * D);
+  const ScoreRule rule{std::max<int64_t>(sliding_window, 0), std::max(logits_soft_cap, 0.f)};
 
   // Work: (sequence, first query token of a prompt chunk, or -1 for a decode row); prompt chunks
   // first, the ones with the most context first, so that the long items do not come last.
@@ -389,18 +432,18 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
       const int64_t q_len = qsl[r + 1] - qsl[r], n = std::min(kChunkTokens, q_len - first);
       const int64_t offset = ((qsl[r] + first) * Hq + h * G) * D, pos0 = lens[r] - q_len + first;
       const float* qr = qp + offset;
-      if (BS == 16 && D == 64) return AttendChunk16<4, 4>(qr, Hq * D, kh, vh, tables + r * B, pos0, n, G, scale, o + offset);
-      if (BS == 16 && D == 128) return AttendChunk16<8, 2>(qr, Hq * D, kh, vh, tables + r * B, pos0, n, G, scale, o + offset);
-      return AttendChunk(qr, Hq * D, kh, vh, tables + r * B, pos0, n, G, D, BS, scale, o + offset);
+      if (BS == 16 && D == 64) return AttendChunk16<64, 4>(qr, Hq * D, kh, vh, tables + r * B, pos0, n, G, scale, rule, o + offset);
+      if (BS == 16 && D == 128) return AttendChunk16<128, kWideRows>(qr, Hq * D, kh, vh, tables + r * B, pos0, n, G, scale, rule, o + offset);
+      return AttendChunk(qr, Hq * D, kh, vh, tables + r * B, pos0, n, G, D, BS, scale, rule, o + offset);
     }
-    const int64_t offset = (qsl[r] * Hq + h * G) * D;
+    const int64_t offset = (qsl[r] * Hq + h * G) * D, len = lens[r];
     const float* qr = qp + offset;
 #ifdef __AVX512F__
-    if (BS == 16 && D == 64) return AttendRow16<4>(qr, kh, vh, tables + r * B, lens[r], G, scale, o + offset);
-    if (BS == 16 && D == 128) return AttendRow16<8>(qr, kh, vh, tables + r * B, lens[r], G, scale, o + offset);
+    if (BS == 16 && D == 64) return AttendRow16<4>(qr, kh, vh, tables + r * B, len, G, scale, rule, o + offset);
+    if (BS == 16 && D == 128) return AttendRow16<8>(qr, kh, vh, tables + r * B, len, G, scale, rule, o + offset);
 #endif
     auto attend = D == 64 ? AttendRow<64> : D == 128 ? AttendRow<128> : AttendRow<0>;
-    attend(qr, kh, vh, tables + r * B, lens[r], G, D, BS, scale, o + offset);
+    attend(qr, kh, vh, tables + r * B, len, G, D, BS, scale, rule, o + offset);
   });
   return ffi::Error::Success();
 }
@@ -419,4 +462,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedPagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Attr<float>("scale")
-                                  .Attr<int32_t>("prefill"));
+                                  .Attr<int32_t>("prefill")
+                                  .Attr<int32_t>("sliding_window")     // 0: none
+                                  .Attr<float>("logits_soft_cap"));     // 0: none
