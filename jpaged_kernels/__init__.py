@@ -9,6 +9,7 @@
 - ``cpu/``: C++ kernels for the CPU (XLA FFI custom calls, built on first use).
 - ``quant.py``: 8-bit KV pages (int8 or float8_e4m3fn) with a scale per (token, kv head).
 - ``pool.py``: the arrays of a layer's cache and whole-block moves between pools.
+- ``platform.py``: the platform being traced for (a deviceless compile's target, not the host).
 - ``aot/``: deviceless ahead-of-time compiles of the kernels for real TPU and GPU targets.
 
 Pool layout, shared by all: ``k_pages``/``v_pages`` ``[num_kv_heads, num_blocks, block_size,

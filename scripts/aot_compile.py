@@ -28,8 +28,10 @@ flags.DEFINE_string("topology", None, "TPU slice to compile for, e.g. v5e:2x4, v
                     "v6e:4x4 (16 chips on 4 hosts), v5p:2x2x1")
 flags.DEFINE_enum("gpu", None, ["h100", "h200", "a100"], "GPU to compile for (one host)")
 flags.DEFINE_string("output_json", None, "Write every figure, per step shape and in total, to this file")
-flags.DEFINE_bool("only_edges", False, "Compile only the step shapes at the ends of each kind (fewest and most "
-                  "tokens, greedy and sampled, mixed and decode-only), not every one")
+flags.DEFINE_enum("shapes", "all", ["all", "edges", "largest"],
+                  "Step shapes to compile: all (every shape the engine precompiles), edges (the ends of each kind: "
+                  "fewest and most tokens, greedy and sampled, mixed and decode-only) or largest (the sampled "
+                  "step with the most tokens and the decode-only step with the most rows: what decides the fit)")
 
 
 def fail(message) -> None:
@@ -112,7 +114,7 @@ def main(argv):
         spills = f", {len(step.spills)} register spills" if step.spills else ""
         print(f"{'OK  ' if step.ok else 'FAIL'} {step.name}: {step.seconds:.1f} s, {detail}{spills}", flush=True)
 
-    result = aot.compile_engine(mc, config, name, topology=topology, only_edges=F.only_edges, progress=progress)
+    result = aot.compile_engine(mc, config, name, topology=topology, shapes=F.shapes, progress=progress)
     print(f"\n{result.target}, {result.num_devices} chip(s) of {mib(result.hbm_bytes)}; per chip: weights "
           f"{mib(result.weight_bytes)}, KV pool {result.num_blocks} blocks x {result.kv_bytes_per_block} bytes = "
           f"{mib(result.kv_pool_bytes)}, temporaries up to {mib(result.max_temp_bytes)}, code "

@@ -99,3 +99,12 @@ def test_speculative_benchmark_runs(llama_dir):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "sharegpt  batch  k=2" in result.stdout and "acceptance" in result.stdout
     assert "OUTPUTS DIFFER" not in result.stdout and "load average" in result.stdout
+
+
+def test_moe_benchmark_runs():
+    """Grouped vs dense experts at two token counts; both give the same outputs."""
+    result = run_script("benchmark_moe.py", "--hidden=64", "--intermediate=128", "--num_experts=4", "--tokens=1,8",
+                        "--runs=1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split() for line in result.stdout.splitlines() if line.split()[:1] in (["1"], ["8"])]
+    assert len(rows) == 2 and all(float(row[-1]) < 1e-4 for row in rows), result.stdout

@@ -150,10 +150,8 @@ def test_pallas_backend_matches_xla(tmp_path_factory):
     assert pallas == _tokens(engine(tmp_path_factory, "qwen3"), prompts, 4)
 
 
-@pytest.mark.xfail(raises=ValueError, strict=False,
-                   reason="the Pallas kernels take sliding_window / logits_soft_cap only once the kernels "
-                          "branch (tpu-gpu) is merged; until then PagedAttention refuses them on that backend")
 def test_pallas_backend_with_windows_and_soft_caps(tmp_path_factory):
+    """Gemma 2 on the Pallas kernels: windowed and global layers, both soft caps."""
     hf_model = family(tmp_path_factory, "gemma2")[1]
     prompts = random_prompts(np.random.default_rng(8), [20, 3])
     llm = engine(tmp_path_factory, "gemma2", attention_backend="pallas")
@@ -199,3 +197,17 @@ def test_model_specific_fields_are_checked_before_any_weight(tmp_path, cfg, fiel
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=field):
         load_model(str(tmp_path), dtype=np.float32, attention_backend="xla")
+
+
+@pytest.mark.parametrize("name", ["gemma2", "mistral"])
+def test_prompt_lookup_with_sliding_windows(tmp_path_factory, name):
+    """Speculation over KV-cache groups (Gemma 2) and a window that releases blocks (Mistral):
+    verification steps carry every group's table, and rejected proposals' blocks go back in
+    every group. Greedy tokens equal transformers'; every block is free afterwards."""
+    hf_model = family(tmp_path_factory, name)[1]
+    rng = np.random.default_rng(9)
+    prompts = [list(p) * 3 for p in random_prompts(rng, [6, 9])]  # repeats: prompt lookup finds them
+    llm = engine(tmp_path_factory, name, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert _tokens(llm, prompts, 12) == [hf_greedy(hf_model, p, 12)[0] for p in prompts]
+    m = llm.get_metrics()
+    assert m["spec_decode_num_draft_tokens"] > 0 and m["num_free_blocks"] == m["num_total_blocks"]

@@ -176,8 +176,9 @@ class Scheduler:
         k = request.sampling_params.prompt_logprobs
         for seq in seqs:
             start = seq.num_computed_tokens
+            table, group_tables = self._tables(seq)
             out.seqs.append(ScheduledSeq(request.request_id, seq.seq_id, seq.token_ids[start:start + n], start,
-                                         *self._tables(seq)))
+                                         table, group_block_tables=group_tables))
             row = len(out.seqs) - 1
             out.prompt_logprob_rows += [PromptLogprobRow(row, p, seq.token_ids[p + 1], k)
                                         for p in prompt_logprobs.wanted(request, seq, start, n)]

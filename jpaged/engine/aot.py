@@ -24,7 +24,8 @@ from jpaged.config import EngineConfig
 from jpaged.engine.startup import resolve_dtypes
 from jpaged.loading.model_loader import abstract_model, kv_replicated_config
 from jpaged.models import ModelConfig
-from jpaged.models.attention import make_attention_metadata
+from jpaged.core.kv_cache_layout import KVCacheLayout, kv_cache_layout
+from jpaged.models.attention import attention_windows, make_attention_metadata
 from jpaged.runner import kv_pool
 from jpaged.runner.buckets import StepBuckets
 from jpaged.runner.inputs import prepare_inputs
@@ -104,33 +105,39 @@ def _placed(tree, sharding_of):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding_of(x)), tree)
 
 
-def abstract_state(config: ModelConfig, mesh, *, dtype, quantization: str | None):
-    """(graphdef, state): the model's parameters as structs placed by `sharding.param_spec`."""
+def abstract_state(config: ModelConfig, mesh, *, dtype, quantization: str | None, expert_parallel: bool = False):
+    """(graphdef, state, KV-cache layout): the model's parameters as structs placed by
+    `sharding.param_spec`, and its layers' KV-cache groups."""
     tp = mesh.shape[sharding.MODEL_AXIS]
-    model = abstract_model(config, dtype=dtype, attention_backend="pallas", quantization=quantization)
+    model = abstract_model(config, dtype=dtype, attention_backend="pallas", quantization=quantization,
+                           expert_parallel=expert_parallel)
+    layout = kv_cache_layout(attention_windows(model))
     graphdef, state = nnx.split(model)
 
     def place(key_path, x):
-        spec = sharding.param_spec(sharding.key_path_names(key_path), x.shape, tp)
+        spec = sharding.param_spec(sharding.key_path_names(key_path), x.shape, tp, expert_parallel)
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
 
-    return graphdef, jax.tree_util.tree_map_with_path(place, state)
+    return graphdef, jax.tree_util.tree_map_with_path(place, state), layout
 
 
-def abstract_caches(config: ModelConfig, mesh, *, num_blocks: int, block_size: int, kv_dtype):
+def abstract_caches(config: ModelConfig, mesh, *, num_tensors: int, num_blocks: int, block_size: int, kv_dtype):
     specs = jpaged_kernels.pool.layer_arrays(config.num_kv_heads, num_blocks, block_size, config.head_dim, kv_dtype)
     layer = tuple(jax.ShapeDtypeStruct(shape, dt, sharding=sharding.kv_pool_sharding(mesh, len(shape)))
                   for shape, dt in specs)
-    return [layer] * config.num_layers
+    return [layer] * num_tensors
 
 
-def step_arguments(step, buckets: StepBuckets, mesh):
-    """The step's inputs as the runner builds them (`prepare_inputs`, the pallas metadata, the
-    padded sampling tensors), as replicated structs."""
-    inputs = prepare_inputs(step, buckets)
+def step_arguments(step, buckets: StepBuckets, mesh, layout: KVCacheLayout):
+    """The step's inputs as the runner builds them (`prepare_inputs`, the pallas metadata with
+    every KV-cache group's tables, the padded sampling tensors), as replicated structs."""
+    inputs = prepare_inputs(step, buckets, layout.num_groups)
     md = make_attention_metadata("pallas", positions=inputs.positions, slot_mapping=inputs.slot_mapping,
                                  query_start_loc=inputs.query_start_loc, seq_lens=inputs.seq_lens,
-                                 block_tables=inputs.block_tables, num_seqs=inputs.num_seqs)
+                                 block_tables=inputs.block_tables, num_seqs=inputs.num_seqs,
+                                 group_slot_mappings=inputs.group_slot_mappings,
+                                 group_block_tables=inputs.group_block_tables,
+                                 kv_layout=None if layout.is_trivial else layout.layers)
     args = (inputs.input_ids, md, inputs.logits_indices, None, sampling_tensors(step.sampling, inputs.num_rows))
     return _placed(args, lambda _: sharding.replicated(mesh))
 
@@ -172,10 +179,25 @@ def edges(plan: list) -> list:
     return [s for s in plan if any(s is p for p in picked)]
 
 
+def largest(plan: list) -> list:
+    """The sampled step with the most tokens and the sampled decode-only step with the most rows:
+    the shapes with the largest temporaries, which decide what fits."""
+    kinds: dict = {}
+    for step in plan:
+        name = step_name(step)
+        if "sampled" in name:
+            kinds[name.endswith("decode-only")] = step
+    return [s for s in plan if any(s is p for p in kinds.values())]
+
+
+PLANS = {"all": lambda plan: plan, "edges": edges, "largest": largest}
+
+
 def compile_engine(model_config: ModelConfig, config: EngineConfig, target: str, *, topology: str | None = None,
-                   only_edges: bool = False, progress=None) -> EngineCompile:
-    """Compiles every step shape of ``config`` (the engine settings) for ``target`` (``only_edges``:
-    the `edges` of the plan). ``progress(step_compile)`` (optional) is called after each step."""
+                   shapes: str = "all", progress=None) -> EngineCompile:
+    """Compiles the step shapes of ``config`` (the engine settings) for ``target``: ``shapes`` "all"
+    (the warm-up plan), "edges" (`edges`) or "largest" (`largest`). ``progress(step_compile)``
+    (optional) is called after each step."""
     start = time.perf_counter()
     sc, cc, tp = config.scheduler, config.cache, config.tensor_parallel_size
     mesh, hbm = target_mesh(target, tp, topology)
@@ -183,34 +205,36 @@ def compile_engine(model_config: ModelConfig, config: EngineConfig, target: str,
     dtype, kv_dtype = resolve_dtypes(config, device.platform)
     mc, _ = kv_replicated_config(model_config, tp)
     max_model_len = sc.max_model_len or mc.max_position_embeddings
-    graphdef, state = abstract_state(mc, mesh, dtype=dtype, quantization=config.quantization)
+    graphdef, state, layout = abstract_state(mc, mesh, dtype=dtype, quantization=config.quantization,
+                                             expert_parallel=config.enable_expert_parallel)
     weight_bytes = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
                        for x in jax.tree.leaves(state))
-    per_block = kv_pool.bytes_per_block(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
+    per_block = kv_pool.bytes_per_block(num_layers=layout.num_tensors, num_kv_heads=mc.num_kv_heads,
                                         head_dim=mc.head_dim, block_size=cc.block_size, dtype=kv_dtype,
                                         tensor_parallel_size=tp)
-    buckets = StepBuckets(sc.max_num_seqs, max_model_len, cc.block_size, "pallas")
-    plan = step_plan(buckets, max_tokens=sc.max_num_batched_tokens, max_seqs=sc.max_num_seqs, whole_step=True)
-    if only_edges:
-        plan = edges(plan)
+    buckets = StepBuckets(sc.max_num_seqs, max_model_len, cc.block_size, "pallas", num_kv_groups=layout.num_groups)
+    plan = PLANS[shapes](step_plan(buckets, max_tokens=sc.max_num_batched_tokens, max_seqs=sc.max_num_seqs,
+                                   whole_step=True))
+    # the blocks one sequence of max_model_len holds (a windowed group: those its window reaches)
+    per_seq = layout.max_blocks_per_seq(max_model_len, cc.block_size, sc.max_num_batched_tokens)
     with jax.set_mesh(mesh):
         def compile_all(num_blocks, steps):
-            caches = abstract_caches(mc, mesh, num_blocks=num_blocks, block_size=cc.block_size, kv_dtype=kv_dtype)
+            caches = abstract_caches(mc, mesh, num_tensors=layout.num_tensors, num_blocks=num_blocks,
+                                     block_size=cc.block_size, kv_dtype=kv_dtype)
             fn = jit_whole_step(graphdef, mesh, [tuple(x.sharding for x in layer) for layer in caches])
             results = []
             for step in steps:
-                results.append(compile_step(fn, state, caches, step_arguments(step, buckets, mesh), device,
+                results.append(compile_step(fn, state, caches, step_arguments(step, buckets, mesh, layout), device,
                                             step_name(step)))
                 if progress is not None:
                     progress(results[-1])
             return results
 
         # the largest step with a small pool gives the temporaries; the pool gets what is left
-        probe = compile_all(min(1024, sc.max_num_seqs * cdiv(max_model_len, cc.block_size)), [plan[-1]])[0]
+        probe = compile_all(min(1024, sc.max_num_seqs * per_seq), [plan[-1]])[0]
         temps = probe.memory.get("temp_size_in_bytes", 0) + probe.memory.get("generated_code_size_in_bytes", 0)
         budget = int(hbm * cc.memory_utilization) - weight_bytes - temps
-        num_blocks = cc.num_kv_blocks or max(0, min(budget // per_block,
-                                                    sc.max_num_seqs * cdiv(max_model_len, cc.block_size)))
+        num_blocks = cc.num_kv_blocks or max(0, min(budget // per_block, sc.max_num_seqs * per_seq))
         steps = compile_all(max(num_blocks, 1), plan) if probe.ok else [probe]
     done = [s for s in steps if s.ok]
     return EngineCompile(
@@ -218,6 +242,6 @@ def compile_engine(model_config: ModelConfig, config: EngineConfig, target: str,
         kv_bytes_per_block=per_block, num_blocks=num_blocks, kv_pool_bytes=num_blocks * per_block,
         max_temp_bytes=max((s.memory.get("temp_size_in_bytes", 0) for s in done), default=0),
         generated_code_bytes=max((s.memory.get("generated_code_size_in_bytes", 0) for s in done), default=0),
-        max_batch_at_max_model_len=num_blocks // cdiv(max_model_len, cc.block_size),
+        max_batch_at_max_model_len=num_blocks // per_seq,
         compile_seconds=time.perf_counter() - start, steps=steps)
 

@@ -110,6 +110,16 @@ def _variable(module, path):
     return getattr(module, path[-1])
 
 
+def _expert_parallel_args(cls, config: ModelConfig, expert_parallel: bool) -> dict:
+    """The model class's keyword for ``expert_parallel`` (none when off); a ValueError for a model
+    without experts."""
+    if not expert_parallel:
+        return {}
+    if not getattr(cls, "HAS_EXPERTS", False):
+        raise ValueError(f"enable_expert_parallel=True: {config.architecture} has no experts")
+    return {"expert_parallel": True}
+
+
 def build_model(config: ModelConfig, weights, *, dtype, attention_backend: str, shard_fn=None,
                 quantization: str | None = None, expert_parallel: bool = False):
     """Creates the model without initializing it, then fills every parameter from ``weights``.
@@ -121,11 +131,7 @@ def build_model(config: ModelConfig, weights, *, dtype, attention_backend: str, 
     from jpaged.loading.gguf_loader import GGUFBlocks
 
     cls = model_class(config)
-    extra = {}
-    if expert_parallel:
-        if not getattr(cls, "HAS_EXPERTS", False):
-            raise ValueError(f"enable_expert_parallel=True: {config.architecture} has no experts")
-        extra["expert_parallel"] = True
+    extra = _expert_parallel_args(cls, config, expert_parallel)
     model = nnx.eval_shape(lambda: cls(config, dtype=dtype, attention_backend=attention_backend,
                                        rngs=nnx.Rngs(0), **extra))
     wanted = {name: (path, transpose) for path, name, transpose in model.hf_weight_map()}
@@ -171,14 +177,17 @@ def build_model(config: ModelConfig, weights, *, dtype, attention_backend: str, 
     return model
 
 
-def abstract_model(config: ModelConfig, *, dtype, attention_backend: str, quantization: str | None = None):
+def abstract_model(config: ModelConfig, *, dtype, attention_backend: str, quantization: str | None = None,
+                   expert_parallel: bool = False):
     """The model `build_model` would make, without weights: every parameter a ``jax.ShapeDtypeStruct``
     (``quantization="int8"``: the linear kernels and the token table as `build_model` would quantize
     them). For compiling ahead of time; a GGUF file's blocks need the file, so ``"gguf"`` is refused."""
     if quantization not in (None, "int8"):
         raise ValueError(f"quantization={quantization!r}: only None or 'int8' can be compiled without weights")
     cls = model_class(config)
-    model = nnx.eval_shape(lambda: cls(config, dtype=dtype, attention_backend=attention_backend, rngs=nnx.Rngs(0)))
+    extra = _expert_parallel_args(cls, config, expert_parallel)
+    model = nnx.eval_shape(lambda: cls(config, dtype=dtype, attention_backend=attention_backend, rngs=nnx.Rngs(0),
+                                       **extra))
     if quantization == "int8":
         s = jax.ShapeDtypeStruct
         for path, _, transpose in model.hf_weight_map():

@@ -36,7 +36,6 @@ Backends:
 """
 import dataclasses
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -44,9 +43,9 @@ import numpy as np
 from flax import nnx
 
 import jpaged_kernels
-import jpaged_kernels.jnp.attention
 from jpaged import sharding
 from jpaged_kernels import cpu
+from jpaged_kernels.platform import target_platform
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -146,7 +145,7 @@ def xla_paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale, sl
 
 
 def _interpret() -> bool:
-    return jax.default_backend() not in ("tpu", "gpu")
+    return target_platform() not in ("tpu", "gpu")
 
 
 def pallas_paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale, sliding_window=None,

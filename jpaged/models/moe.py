@@ -26,6 +26,7 @@ from jax import lax
 
 from jpaged import sharding
 from jpaged.models.layers import activation
+from jpaged_kernels.platform import target_platform
 
 ROW_TILE = 64  # rows per matmul of the CPU grouped matmul (a run shorter than this is one tile)
 
@@ -35,7 +36,7 @@ def grouped_matmul(x, w, group_sizes):
     -> ``[M, N]``: row r of group g is ``x[r] @ w[g]``; rows past the last group are zeros."""
     m = x.shape[0]
     ends = jnp.cumsum(group_sizes)
-    if jax.default_backend() in ("tpu", "gpu"):
+    if target_platform() in ("tpu", "gpu"):
         out = lax.ragged_dot(x, w, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32)
         return jnp.where((jnp.arange(m) < ends[-1])[:, None], out, 0).astype(x.dtype)
     tile = min(ROW_TILE, m)

@@ -90,6 +90,7 @@ class Speculation:
                 continue
             scheduled.spec_token_ids, scheduled.num_lookahead_tokens = proposals, ahead
             scheduled.block_table = list(self.kv_cache.block_table(seq))
+            scheduled.group_block_tables = [list(t) for t in self.kv_cache.group_block_tables(seq)]
             out.sample_rows += [SampleRow(row.seq_row, row.sample_index, j) for j in range(1, len(proposals) + 1)]
 
     def _room(self, request, seq) -> int:

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 
 from jpaged_kernels.cpu import library, measure
+from jpaged_kernels.platform import target_platform
 
 KERNELS = ("paged_attention", "matmul", "matmul_t", "greedy")
 MATMUL_ROWS = measure.MATMUL_ROWS[-1]  # the C++ matmul serves x [M, K] @ w [K, N] with M up to this
@@ -23,13 +24,6 @@ def _auto_sharded() -> bool:
     mesh = jax.sharding.get_abstract_mesh()
     return any(size > 1 and kind != AxisType.Manual
                for size, kind in zip(mesh.axis_sizes, mesh.axis_types))
-
-
-def _target_platform() -> str:
-    """The platform being computed for: the default device's (``jax.default_device(...)``, e.g. a TPU
-    or GPU compiled for ahead of time from a CPU host), else the default backend."""
-    device = jax.config.jax_default_device
-    return device.platform if device is not None and not isinstance(device, str) else jax.default_backend()
 
 
 def runs(kernel: str, *arrays, kv_scales=None) -> bool:
@@ -47,7 +41,7 @@ def runs(kernel: str, *arrays, kv_scales=None) -> bool:
         if not (x.ndim == 2 and x.shape[0] <= MATMUL_ROWS and (kernel == "matmul" or len(weights) == 1)
                 and all(w.ndim == 2 and w.shape[contracted] == x.shape[1] for w in weights)):
             return False
-    if _auto_sharded() or _target_platform() != "cpu" or not library.available():
+    if _auto_sharded() or target_platform() != "cpu" or not library.available():
         return False
     if library.forced():
         return True

@@ -115,7 +115,10 @@ def _attend_chunks(out, q, k_pages, v_pages, tables, first_token, first_pos,
                 k_scale, v_scale = quant.unpack_scales(words[:, ids].reshape(hkv, size, bk, 1))
                 k, v = k * k_scale, v * v_scale
             k_pos = kv_start[:, None] + j * bk + jnp.arange(bk, dtype=jnp.int32)  # [R, K]
-            v = jnp.where((k_pos < kv_len[:, None])[None, :, :, None], v, 0.0)
+            seen = k_pos < kv_len[:, None]
+            if sliding_window is not None:  # keys before the chunk's first query's window
+                seen &= k_pos > pos0[:, None] - sliding_window
+            v = jnp.where(seen[None, :, :, None], v, 0.0)
             s = jnp.einsum("hrqd,hrkd->hrqk", qb, k) * scale            # [H,R,G*W,K]
             if logits_soft_cap is not None:
                 s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)

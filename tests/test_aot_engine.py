@@ -1,0 +1,131 @@
+"""The whole engine step compiles ahead of time for TPU and GPU targets (`scripts/aot_compile.py`,
+`jpaged.engine.aot`), without weights or a device, with the real compilers.
+
+Default run: a Llama over two v5e chips, a Gemma 2 on v6e (windowed and global KV-cache groups,
+soft caps) and a Mixtral over two H100s (experts split whole), through the script as a user runs
+it: exit status 0, every step shape OK, a KV pool that fits, the figures in ``--output_json``.
+``-m slow``: Qwen3, Gemma 3, Mistral and Qwen3-MoE on v5e and H100, and every deployment flagfile
+of ``configs/`` (its largest step shapes) on the target its ``# Compile:`` line names, in bfloat16
+and, for the models below 70B, with an int8 KV cache. The compilers' venvs come from
+``scripts/setup_aot_compilers.sh`` (``JPAGED_SKIP_AOT=1`` skips these tests, as it does the kernel
+compile tests).
+"""
+import glob
+import json
+import os
+import re
+
+import pytest
+
+from jpaged_kernels.aot import venv
+from run_script import REPO_ROOT as REPO, run_script
+
+# head_dim 128 (the TPU kernels' lane width), GQA group 2, two layers (Gemma 3: one windowed, one global)
+TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            head_dim=128, vocab_size=512, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2)
+FAMILIES = {
+    "llama": ("LlamaConfig", TINY),
+    "qwen3": ("Qwen3Config", TINY),
+    "gemma2": ("Gemma2Config", dict(TINY, sliding_window=64, query_pre_attn_scalar=128, attn_logit_softcapping=50.0,
+                                    final_logit_softcapping=30.0)),
+    "gemma3": ("Gemma3TextConfig", dict(TINY, sliding_window=64, query_pre_attn_scalar=128,
+                                        layer_types=["sliding_attention", "full_attention"])),
+    "mistral": ("MistralConfig", dict(TINY, sliding_window=64)),
+    "mixtral": ("MixtralConfig", dict(TINY, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)),
+}
+ENGINE = ["--max_num_seqs=4", "--max_num_batched_tokens=32", "--max_model_len=256", "--block_size=16"]
+
+
+@pytest.fixture(autouse=True)
+def _compilers():
+    for platform in ("tpu", "cuda"):
+        why = venv.missing(platform)
+        if why is not None:
+            if os.environ.get("JPAGED_SKIP_AOT") == "1":
+                pytest.skip(why)
+            pytest.fail(f"{why} (or set JPAGED_SKIP_AOT=1 to skip the deviceless compile tests)")
+
+
+def model_json(tmp_path, name: str) -> str:
+    """A config.json of the family's small model (transformers' fields, no weights)."""
+    import transformers
+
+    cls_name, kwargs = FAMILIES[name]
+    config = getattr(transformers, cls_name)(**kwargs)
+    fields = config.to_dict()
+    fields["architectures"] = [{"gemma3": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "mixtral": "MixtralForCausalLM",
+                                "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                                "mistral": "MistralForCausalLM"}.get(name, "LlamaForCausalLM")]
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(fields))
+    return str(path)
+
+
+def aot_compile(tmp_path, *flags, timeout=3000) -> dict:
+    """Runs the script; returns its --output_json figures (the run must succeed)."""
+    out = tmp_path / "aot.json"
+    result = run_script("aot_compile.py", *flags, f"--output_json={out}", timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert figures["ok"] and figures["fits"] and figures["num_blocks"] > 0, figures
+    assert all(step["ok"] for step in figures["steps"]), figures["steps"]
+    return figures
+
+
+@pytest.mark.parametrize("name, target", [
+    ("llama", ["--topology=v5e:2x2", "--tensor_parallel_size=2"]),
+    ("gemma2", ["--topology=v6e:2x2"]),
+    ("mixtral", ["--gpu=h100", "--enable_expert_parallel", "--tensor_parallel_size=2"]),
+])
+def test_small_models_compile(tmp_path, name, target):
+    """A Llama over two v5e chips (the decode-only and mixed steps, greedy and sampled), a Gemma 2 on
+    v6e (windowed and global KV-cache groups, soft caps) and a Mixtral on two H100s, experts split."""
+    figures = aot_compile(tmp_path, f"--model={model_json(tmp_path, name)}", *target, *ENGINE, "--shapes=edges")
+    names = [step["name"] for step in figures["steps"]]
+    assert any(n.endswith("decode-only") for n in names) and any("sampled" in n for n in names), names
+    assert figures["num_devices"] == (2 if "--tensor_parallel_size=2" in target else 1)
+    assert figures["weight_bytes"] > 0 and figures["max_temp_bytes"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "mistral", "qwen3_moe"])
+@pytest.mark.parametrize("target", ["--topology=v5e:2x2", "--gpu=h100"])
+def test_every_family_compiles(tmp_path, name, target):
+    aot_compile(tmp_path, f"--model={model_json(tmp_path, name)}", target, *ENGINE, "--shapes=edges")
+
+
+def test_bad_flags_exit_2(tmp_path):
+    result = run_script("aot_compile.py", f"--model={model_json(tmp_path, 'llama')}", "--gpu=h100", "--topology=v5e:2x2")
+    assert result.returncode == 2 and "exactly one of --topology" in result.stderr
+    result = run_script("aot_compile.py", "--model=/nonexistent", "--gpu=h100")
+    assert result.returncode == 2 and "--model=/nonexistent" in result.stderr
+
+
+def deployments():
+    """(flagfile, target flag) of each configs/*.flags, the target from its '# Compile:' line."""
+    found = []
+    for path in sorted(glob.glob(os.path.join(REPO, "configs", "*.flags"))):
+        line = next(line for line in open(path) if line.startswith("# Compile:"))
+        found.append((os.path.basename(path), re.search(r"--(topology|gpu)=\S+", line).group(0)))
+    return found
+
+
+def test_every_deployment_names_its_target():
+    assert len(deployments()) >= 6
+
+
+def deployment_cases():
+    """Every deployment in bfloat16; with an int8 KV cache too where the model is not a 70B (those
+    take ~8 minutes a compile on two cores: the README's table has their int8 figures, from the
+    same command)."""
+    return [(f, t, kv) for f, t in deployments() for kv in ("auto", "int8") if kv == "auto" or "70b" not in f]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flagfile, target, kv", deployment_cases())
+def test_deployment_configs_compile_and_fit(tmp_path, flagfile, target, kv):
+    """The deployment's largest step shapes (what decides the fit) compile and fit."""
+    figures = aot_compile(tmp_path, f"--flagfile={os.path.join(REPO, 'configs', flagfile)}", target,
+                          f"--kv_cache_dtype={kv}", "--shapes=largest")
+    assert figures["max_batch_at_max_model_len"] >= 1, figures
