@@ -37,7 +37,7 @@ class SpecEngineMachine(base.EngineMachine):
             for seq in request.seqs:
                 table = kv.block_table(seq)
                 assert len(table) <= cdiv(seq.num_tokens, kv.block_size), "a rejected proposal's block was kept"
-                for i, block_hash in enumerate(seq.block_hashes):
+                for i, block_hash in enumerate(kv.block_hashes.get(seq.seq_id, [])):
                     key = kv.pool.block_key[table[i]]
                     if key is not None and key[0] == block_hash:
                         assert list(key[2]) == seq.token_ids[i * kv.block_size:(i + 1) * kv.block_size]

@@ -63,11 +63,14 @@ class HybridKVCacheManager:
         need = sum(group.blocks_needed(seqs, num_new_tokens, cached) for group, cached in zip(self.groups, per_group))
         if need > self.pool.num_free_blocks:
             return None
+        if cached_blocks is not None:  # every group revives its cached blocks before any group takes a
+            for group, cached in zip(self.groups, per_group):  # new one, which could evict them
+                for seq, n in zip(seqs, computed):  # each group admits the sequences afresh
+                    seq.num_computed_tokens = n
+                group.admit(seqs, cached, cache_salt)
         new_blocks = [[] for _ in seqs]
-        for group, cached in zip(self.groups, per_group):
-            for seq, n in zip(seqs, computed):  # each group admits the sequences afresh
-                seq.num_computed_tokens = n
-            for blocks, new in zip(new_blocks, group.take_slots(seqs, num_new_tokens, cached, cache_salt)):
+        for group in self.groups:
+            for blocks, new in zip(new_blocks, group.take_slots(seqs, num_new_tokens, None, cache_salt)):
                 blocks += new
         return new_blocks
 

@@ -118,8 +118,7 @@ class KVCacheManager:
                    cache_salt: str | None = None) -> list[list[int]]:
         """`allocate_slots` once `blocks_needed` fits the pool."""
         if cached_blocks is not None:  # every cached block is taken before any new one, which could evict it
-            for seq, cached in zip(seqs, cached_blocks):
-                self._admit(seq, cached, cache_salt)
+            self.admit(seqs, cached_blocks, cache_salt)
         for seq in seqs:
             self._release_behind_window(seq)
         new_blocks = []
@@ -172,6 +171,12 @@ class KVCacheManager:
         if copy_on_write and not num_cached_tokens and self._shared_block_written(seq, num_new_tokens) is not None:
             need += 1
         return max(need, 0)
+
+    def admit(self, seqs: list[Sequence], cached_blocks: list[list[int]], cache_salt: str | None = None) -> None:
+        """Sequences with nothing computed start from their cached blocks (`take_slots`'s first part:
+        a manager sharing its pool with others admits in all of them before any allocates)."""
+        for seq, cached in zip(seqs, cached_blocks):
+            self._admit(seq, cached, cache_salt)
 
     def _admit(self, seq: Sequence, cached: list[int], cache_salt: str | None) -> None:
         """A sequence with nothing computed starts from its cached blocks (maybe none)."""

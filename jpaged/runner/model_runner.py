@@ -175,8 +175,9 @@ class ModelRunner:
         md = jax.device_put(md, self._replicated)  # once, not once per layer
         x, extra = self.counter.call("embed", self._embed, p.shell_state, inputs.input_ids, md.positions,
                                      num_fixed=1)
-        for key in self._layers:  # every call of one key has the same argument shapes
-            self.counter.note("layers{}x{}{}".format(*key), x, extra, md)
+        for structure, count, layout in self._layers:  # every call of one key has the same argument shapes
+            groups = "" if self.kv_layout.is_trivial else str(layout)
+            self.counter.note(f"layers{structure}x{count}{groups}", x, extra, md)
         caches = list(self.kv_pool.caches)
         for key, _, first, end, tensors, _ in self._calls:
             x, updated = self._layers[key](p.layer_leaves[first:end], [caches[t] for t in tensors], x, extra, md)

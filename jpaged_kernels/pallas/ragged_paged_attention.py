@@ -319,17 +319,21 @@ def _gpu_kernel(
     o_ref[...] = out.astype(o_ref.dtype)
 
 
-def _gpu_tiling(num_queries_per_block, group, head_dim, keys, eight_bit):
+def _gpu_tiling(num_queries_per_block, group, head_dim, keys, eight_bit, windowed=False):
     """``(tile, num_warps)``: query tokens per program and warps, so that the ``[tile * group,
     head_dim]`` query and accumulator and the ``[tile * group, keys]`` logits stay in registers;
     ``tile * group >= 16`` (a dot's M dimension). A tile has at most ``2 * GPU_TILE_ELEMENTS``
     elements and gets 8 warps when it has more than ``GPU_TILE_ELEMENTS``; with 8-bit pages
-    (cast to the query dtype in registers) at most ``GPU_TILE_ELEMENTS``, on 4 warps."""
-    limit = GPU_TILE_ELEMENTS if eight_bit else 2 * GPU_TILE_ELEMENTS
+    (cast to the query dtype in registers) or ``windowed`` (a sliding window over logits wider
+    than head_dim: the mask's key positions live beside them) at most ``GPU_TILE_ELEMENTS``, and a
+    windowed tile gets 8 warps from ``GPU_TILE_ELEMENTS / 2`` (so ptxas spills nothing on sm_80
+    either)."""
+    limit = GPU_TILE_ELEMENTS if eight_bit or windowed else 2 * GPU_TILE_ELEMENTS
     tile = next_power_of_2(max(num_queries_per_block, pl.cdiv(16, group)))
     while tile * group > 16 and tile * group * max(head_dim, keys) > limit:
         tile //= 2
-    return tile, 8 if tile * group * max(head_dim, keys) > GPU_TILE_ELEMENTS else 4
+    eight_warps = GPU_TILE_ELEMENTS // 2 if windowed else GPU_TILE_ELEMENTS
+    return tile, 8 if tile * group * max(head_dim, keys) > eight_warps else 4
 
 
 def _ragged_gpu(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
@@ -344,7 +348,8 @@ def _ragged_gpu(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
     # Power-of-two tiles of at least 16 rows for Triton dots; a group that is
     # not a power of two is padded with zero query heads.
     group = next_power_of_2(num_q_heads // num_kv_heads)
-    tile, num_warps = _gpu_tiling(num_queries_per_block, group, head_dim, keys, bool(scales))
+    tile, num_warps = _gpu_tiling(num_queries_per_block, group, head_dim, keys, bool(scales),
+                                  sliding_window is not None and keys > head_dim)
     num_tiles = pl.cdiv(num_tokens, tile)
     qg, unpack = _group_queries(q, num_kv_heads, num_tiles * tile, group)
     qsl, first, end = _tile_metadata(query_start_loc, num_seqs, num_tiles, tile)
