@@ -114,7 +114,10 @@ def main(argv):
         spills = f", {len(step.spills)} register spills" if step.spills else ""
         print(f"{'OK  ' if step.ok else 'FAIL'} {step.name}: {step.seconds:.1f} s, {detail}{spills}", flush=True)
 
-    result = aot.compile_engine(mc, config, name, topology=topology, shapes=F.shapes, progress=progress)
+    try:
+        result = aot.compile_engine(mc, config, name, topology=topology, shapes=F.shapes, progress=progress)
+    except ValueError as e:  # a setting the compile cannot honour, found before any step compiles
+        fail(e)
     print(f"\n{result.target}, {result.num_devices} chip(s) of {mib(result.hbm_bytes)}; per chip: weights "
           f"{mib(result.weight_bytes)}, KV pool {result.num_blocks} blocks x {result.kv_bytes_per_block} bytes = "
           f"{mib(result.kv_pool_bytes)}, temporaries up to {mib(result.max_temp_bytes)}, code "

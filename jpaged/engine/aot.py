@@ -144,7 +144,10 @@ def step_arguments(step, buckets: StepBuckets, mesh, layout: KVCacheLayout):
 
 def step_name(step) -> str:
     tokens = step.num_tokens
-    decode = " decode-only" if all(len(s.token_ids) == 1 for s in step.seqs) else ""
+    if any(s.spec_token_ids for s in step.seqs):
+        decode = " verification"
+    else:
+        decode = " decode-only" if all(len(s.token_ids) == 1 for s in step.seqs) else ""
     sampling = "greedy" if step.sampling.all_greedy else "sampled"
     return f"tokens={tokens} rows={len(step.sample_rows)} {sampling}{decode}"
 
@@ -212,7 +215,12 @@ def compile_engine(model_config: ModelConfig, config: EngineConfig, target: str,
     per_block = kv_pool.bytes_per_block(num_layers=layout.num_tensors, num_kv_heads=mc.num_kv_heads,
                                         head_dim=mc.head_dim, block_size=cc.block_size, dtype=kv_dtype,
                                         tensor_parallel_size=tp)
-    buckets = StepBuckets(sc.max_num_seqs, max_model_len, cc.block_size, "pallas", num_kv_groups=layout.num_groups)
+    spec = config.speculative_config
+    if spec is not None and spec.method != "ngram":
+        raise ValueError(f"speculative_config (method={spec.method!r}): only 'ngram' compiles ahead of time here "
+                         "(a draft model's own steps are not in the plan)")
+    buckets = StepBuckets(sc.max_num_seqs, max_model_len, cc.block_size, "pallas", num_kv_groups=layout.num_groups,
+                          num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens)
     plan = PLANS[shapes](step_plan(buckets, max_tokens=sc.max_num_batched_tokens, max_seqs=sc.max_num_seqs,
                                    whole_step=True))
     # the blocks one sequence of max_model_len holds (a windowed group: those its window reaches)
