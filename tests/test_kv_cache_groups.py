@@ -143,7 +143,7 @@ def test_swap_skips_released_blocks():
 
 
 def test_memory_per_sequence_at_8k_context_with_a_1k_window():
-    """The figure of docs/models.md (scripts/kv_window_memory.py): layer-blocks one sequence holds at
+    """The figure of docs/architecture.md (scripts/kv_window_memory.py): layer-blocks one sequence holds at
     8,192 tokens with a 1,024-token window, block size 16; before, every layer keeps all 512 blocks."""
     sys.path.insert(0, SCRIPTS)
     try:
