@@ -17,11 +17,15 @@ from jpaged.core.kv_cache_manager import NULL_BLOCK, KVCacheManager
 from jpaged.core.request import Sequence
 from jpaged.utils import cdiv
 
-flags.DEFINE_integer("context", 8192, "Tokens in the sequence at the end")
-flags.DEFINE_integer("window", 1024, "Sliding window of the windowed layers")
-flags.DEFINE_integer("block_size", 16, "Tokens per KV block")
-flags.DEFINE_integer("chunk", 2048, "Prompt tokens per prefill step (max_num_batched_tokens)")
 F = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The script's flags (defined when it runs, so that importing `blocks_held` defines none)."""
+    flags.DEFINE_integer("context", 8192, "Tokens in the sequence at the end")
+    flags.DEFINE_integer("window", 1024, "Sliding window of the windowed layers")
+    flags.DEFINE_integer("block_size", 16, "Tokens per KV block")
+    flags.DEFINE_integer("chunk", 2048, "Prompt tokens per prefill step (max_num_batched_tokens)")
 
 
 def layer_windows(pattern: str, window: int) -> list[int | None]:
@@ -68,4 +72,5 @@ def main(_):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
