@@ -100,6 +100,8 @@ class ModelRunner:
             self._layers = {key: jax.jit(functools.partial(self.pieces.layer_fns[structure], layout),
                                          donate_argnums=(1,), out_shardings=(replicated, [pool[t] for t in tensors]))
                             for key, structure, _, _, tensors, layout in self._calls}
+            self._layer_names = [f"layers{structure}x{count}" + ("" if self.kv_layout.is_trivial else str(layout))
+                                 for structure, count, layout in self._layers]  # the compile counter's names
             self._take_rows = jax.jit(_take_rows)  # apart from the head: it alone depends on both counts
             self._head = jax.jit(self.pieces.head, out_shardings=replicated)
             self._sample = jax.jit(sample)
@@ -175,9 +177,8 @@ class ModelRunner:
         md = jax.device_put(md, self._replicated)  # once, not once per layer
         x, extra = self.counter.call("embed", self._embed, p.shell_state, inputs.input_ids, md.positions,
                                      num_fixed=1)
-        for structure, count, layout in self._layers:  # every call of one key has the same argument shapes
-            groups = "" if self.kv_layout.is_trivial else str(layout)
-            self.counter.note(f"layers{structure}x{count}{groups}", x, extra, md)
+        for name in self._layer_names:  # every call of one key has the same argument shapes
+            self.counter.note(name, x, extra, md)
         caches = list(self.kv_pool.caches)
         for key, _, first, end, tensors, _ in self._calls:
             x, updated = self._layers[key](p.layer_leaves[first:end], [caches[t] for t in tensors], x, extra, md)

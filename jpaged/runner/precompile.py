@@ -36,11 +36,18 @@ def dummy_step(buckets: StepBuckets, num_tokens: int, num_rows: int = 1, greedy:
         rest = num_tokens - (num_rows - 1)
         per_seq = min(rest, buckets.max_model_len)
         lengths = [1] * (num_rows - 1) + [per_seq] * (rest // per_seq) + ([rest % per_seq] if rest % per_seq else [])
-    more = buckets.num_kv_groups - 1  # the tables of the other KV-cache groups: block 0 too
-    seqs = [ScheduledSeq("warmup", 0, [0] * n, 0, [0] * cdiv(n, buckets.block_size),
-                         group_block_tables=[[0] * cdiv(n, buckets.block_size)] * more) for n in lengths]
+    seqs = []
+    for n in lengths:
+        table, group_tables = _tables(buckets, n)
+        seqs.append(ScheduledSeq("warmup", 0, [0] * n, 0, table, group_block_tables=group_tables))
     sampling = plain_sampling(num_rows)[0 if greedy else 1]
     return SchedulerOutput(seqs=seqs, sample_rows=[SampleRow(i, 0) for i in range(num_rows)], sampling=sampling)
+
+
+def _tables(buckets: StepBuckets, num_tokens: int) -> tuple[list[int], list[list[int]]]:
+    """A dummy sequence's block table and those of the other KV-cache groups: block 0 throughout."""
+    table = [0] * cdiv(num_tokens, buckets.block_size)
+    return table, [table] * (buckets.num_kv_groups - 1)
 
 
 def _dummy_verification(buckets, num_tokens: int, num_rows: int, greedy: bool) -> SchedulerOutput:
@@ -51,9 +58,9 @@ def _dummy_verification(buckets, num_tokens: int, num_rows: int, greedy: bool) -
     seqs, rows = [], []
     for i, r in enumerate(per_seq):
         n = r + (num_tokens - num_rows if i == 0 else 0)
-        seqs.append(ScheduledSeq("warmup", 0, [0] * (n - r + 1), 0, [0] * cdiv(n, buckets.block_size),
-                                 spec_token_ids=[0] * (r - 1),
-                                 group_block_tables=[[0] * cdiv(n, buckets.block_size)] * (buckets.num_kv_groups - 1)))
+        table, group_tables = _tables(buckets, n)
+        seqs.append(ScheduledSeq("warmup", 0, [0] * (n - r + 1), 0, table, spec_token_ids=[0] * (r - 1),
+                                 group_block_tables=group_tables))
         rows += [SampleRow(i, 0, j) for j in range(r)]
     return SchedulerOutput(seqs=seqs, sample_rows=rows, sampling=plain_sampling(num_rows)[0 if greedy else 1])
 
