@@ -68,6 +68,8 @@ class HybridKVCacheManager:
                 for seq, n in zip(seqs, computed):  # each group admits the sequences afresh
                     seq.num_computed_tokens = n
                 group.admit(seqs, cached, cache_salt)
+        for group in self.groups:  # the blocks windows release count toward what the others take
+            group.release_behind_windows(seqs)
         new_blocks = [[] for _ in seqs]
         for group in self.groups:
             for blocks, new in zip(new_blocks, group.take_slots(seqs, num_new_tokens, None, cache_salt)):
@@ -78,6 +80,8 @@ class HybridKVCacheManager:
         if (sum(group.blocks_needed(seqs, num_new_tokens, copy_on_write=False) for group in self.groups)
                 > self.pool.num_free_blocks):
             return False
+        for group in self.groups:
+            group.release_behind_windows(seqs)
         for group in self.groups:
             group.take_reserved(seqs, num_new_tokens)
         return True

@@ -156,6 +156,12 @@ class KVCacheManager:
         table = self.block_table(seq)
         return [b for b in table[:self._first_needed(seq.num_computed_tokens)] if b != NULL_BLOCK]
 
+    def release_behind_windows(self, seqs: list[Sequence]) -> None:
+        """Returns the blocks these sequences' window has left behind (`take_slots` and
+        `take_reserved` do it first; a manager sharing its pool releases in all before any grows)."""
+        for seq in seqs:
+            self._release_behind_window(seq)
+
     def _release_behind_window(self, seq: Sequence) -> None:
         table = self.block_table(seq)
         for i in range(min(self._first_needed(seq.num_computed_tokens), len(table))):
