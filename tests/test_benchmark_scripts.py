@@ -108,3 +108,12 @@ def test_moe_benchmark_runs():
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line.split() for line in result.stdout.splitlines() if line.split()[:1] in (["1"], ["8"])]
     assert len(rows) == 2 and all(float(row[-1]) < 1e-4 for row in rows), result.stdout
+
+
+def test_startup_benchmark_runs(llama_dir):
+    """A fresh process from start to the last token of the fixed batch, compilation cache cold."""
+    result = run_script("benchmark_startup.py", f"--model={llama_dir[0]}", "--cache=cold",
+                        "--kv_cache_memory_bytes=67108864")
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(x for x in result.stdout.splitlines() if x.startswith("batch    cold jpaged"))
+    assert "4096 tokens" in line and "compilations" in line, result.stdout

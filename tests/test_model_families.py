@@ -117,7 +117,7 @@ def _tokens(llm, prompts, max_tokens=10):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("name", ["gemma3", "mixtral"])
+@pytest.mark.parametrize("name", [pytest.param("gemma3", marks=pytest.mark.slow), "mixtral"])
 def test_tensor_parallel_2_equals_transformers(tmp_path_factory, name):
     """Gemma 3 (its KV-cache groups split by heads) and Mixtral (experts split like MLPs)."""
     hf_model = family(tmp_path_factory, name)[1]
@@ -143,6 +143,7 @@ def test_expert_parallel_on_4_devices_equals_one_device(tmp_path_factory):
         engine(tmp_path_factory, "qwen3", enable_expert_parallel=True)
 
 
+@pytest.mark.slow  # Pallas interpret mode: a minute or more each (in .ci/run's slow part)
 def test_pallas_backend_matches_xla(tmp_path_factory):
     """Qwen3 on the Pallas kernels (interpret mode here): a short case."""
     prompts = random_prompts(np.random.default_rng(7), [12, 3])
@@ -150,6 +151,7 @@ def test_pallas_backend_matches_xla(tmp_path_factory):
     assert pallas == _tokens(engine(tmp_path_factory, "qwen3"), prompts, 4)
 
 
+@pytest.mark.slow
 def test_pallas_backend_with_windows_and_soft_caps(tmp_path_factory):
     """Gemma 2 on the Pallas kernels: windowed and global layers, both soft caps."""
     hf_model = family(tmp_path_factory, "gemma2")[1]

@@ -248,13 +248,25 @@ def sse_reasons(stream) -> tuple[list, bool]:
     return reasons, done
 
 
-def test_sigterm_drains_then_exits_0(llama_dir):
+@pytest.fixture(scope="module")
+def long_context_llama_dir(tmp_path_factory):
+    """The tiny llama with 64k positions: a stream of 60,000 tokens that no CPU finishes in seconds."""
+    from transformers import LlamaConfig
+
+    from conftest import COMMON, _save
+    return _save(tmp_path_factory, "llama_64k", LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False,
+                                                             **{**COMMON, "max_position_embeddings": 65536}),
+                 with_tokenizer=True)
+
+
+def test_sigterm_drains_then_exits_0(long_context_llama_dir):
     """scripts/serve.py as a process, SIGTERM with two streams in flight: new requests get a 503,
     the short stream finishes, the long one ends at the grace period with finish_reason "abort"
     and data: [DONE]; the process exits 0."""
     port = free_port()
+    llama_dir = long_context_llama_dir
     proc = subprocess.Popen([sys.executable, os.path.join(REPO, "scripts", "serve.py"), f"--model={llama_dir[0]}",
-                             f"--port={port}", "--num_kv_blocks=300", "--max_model_len=2048", "--noprecompile",
+                             f"--port={port}", "--num_kv_blocks=3800", "--max_model_len=60100", "--noprecompile",
                              "--max_num_batched_tokens=128", "--max_num_seqs=4", "--log_level=warning",
                              "--shutdown_timeout=6"],
                             cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE,
@@ -280,7 +292,7 @@ def test_sigterm_drains_then_exits_0(llama_dir):
             r.readline()  # the first event: the request runs
             return r
 
-        short, long = open_stream(20), open_stream(2000)  # 2,000 tokens cannot finish in 6 s on a CPU
+        short, long = open_stream(20), open_stream(60000)  # 60,000 tokens cannot finish in 6 s on a CPU
         proc.send_signal(signal.SIGTERM)
         results = {}
         readers = [threading.Thread(target=lambda k, r: results.__setitem__(k, sse_reasons(r)), args=(k, r))

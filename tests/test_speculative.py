@@ -245,7 +245,8 @@ def test_sampled_distribution_is_the_targets(spec_stats_llm, setting):
 
 
 # Ahead-of-time compilation -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("whole_step", [pytest.param(False, marks=SLOW), True], ids=["layer_pieces", "whole_step"])
+@SLOW  # a minute or more each: in .ci/run's slow part
+@pytest.mark.parametrize("whole_step", [False, True], ids=["layer_pieces", "whole_step"])
 def test_precompiled_verification_compiles_nothing_while_serving(llama_dir, monkeypatch, whole_step):
     """Verification steps take their shapes from the step buckets (rows up to max_num_seqs * (1 + k)):
     after ``precompile`` none compiles, on the CPU's layer pieces and as one whole jitted step (the

@@ -3,6 +3,7 @@ on tiny pools) with speculative decoding on (prompt lookup, a draft model, the t
 draft): the same invariants and no-cache greedy tokens, and after every operation no block past a
 sequence's tokens and no prefix-cache entry that is not its tokens. Beam searches are refused
 with speculation: the base machine's ``add`` checks that a refusal changes nothing."""
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant
@@ -43,6 +44,6 @@ class SpecEngineMachine(base.EngineMachine):
                         assert list(key[2]) == seq.token_ids[i * kv.block_size:(i + 1) * kv.block_size]
 
 
-TestSpecEngineMachine = SpecEngineMachine.TestCase
+TestSpecEngineMachine = pytest.mark.slow(SpecEngineMachine.TestCase)  # minutes: in .ci/run's slow part
 TestSpecEngineMachine.settings = settings(max_examples=3, stateful_step_count=20, deadline=None,
                                           suppress_health_check=list(HealthCheck))

@@ -25,7 +25,7 @@ from jpaged.core.scheduler_output import (PromptLogprobRow, SampleRow, Scheduled
 from jpaged.core.swap_space import SwapSpace
 from jpaged.sample import beam_search, prompt_logprobs
 from jpaged.sample.sampling_batch import build_sampling_batch
-from jpaged.spec_decode.scheduling import Speculation
+from jpaged.core.speculation import Speculation
 
 
 class Scheduler:

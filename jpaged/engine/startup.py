@@ -30,7 +30,7 @@ from jpaged.runner import kv_pool, precompile
 from jpaged.runner.buckets import StepBuckets
 from jpaged.runner.compile_counter import CompileCounter
 from jpaged.runner.model_runner import ModelRunner
-from jpaged.spec_decode.draft_proposer import DraftModelProposer, load_draft_model
+from jpaged.runner.draft_proposer import DraftModelProposer, load_draft_model
 from jpaged.utils import cdiv, release_free_host_memory
 
 
