@@ -124,8 +124,6 @@ class EngineConfig:
     quantization: str | None = None   # weights: None (as stored / dtype), "int8" (per output channel,
                                       # made at load time), "gguf" (a GGUF file's Q8_0/Q4_0/Q4_1 kept)
     precompile: bool = False  # compile every step shape at start (servers): none compiles while serving
-    compile_ahead: bool = True  # without precompile: LLM.generate compiles the shapes its batch will
-                                # meet in background threads (CPU layer pieces; runner/batch_plan.py)
     speculative_config: object = None  # a SpeculativeConfig, its dict or JSON text (docs/speculative.md)
     enable_expert_parallel: bool = False  # mixture-of-experts models: whole experts per device over the
                                           # tensor_parallel_size devices (else each expert split like an MLP)

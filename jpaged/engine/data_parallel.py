@@ -34,10 +34,6 @@ class Engine(Protocol):
 
     def get_metrics(self) -> dict: ...
 
-    def compile_ahead(self) -> int: ...
-
-    def cancel_compiles(self) -> None: ...
-
 
 class DataParallelEngine:
     def __init__(self, config: EngineConfig, data_parallel_size: int, devices=None):
@@ -89,14 +85,6 @@ class DataParallelEngine:
 
     def has_unfinished_requests(self) -> bool:
         return any(e.has_unfinished_requests() for e in self.replicas)
-
-    def compile_ahead(self) -> int:
-        """Each replica compiles ahead for the requests placed on it."""
-        return sum(e.compile_ahead() for e in self.replicas)
-
-    def cancel_compiles(self) -> None:
-        for engine in self.replicas:
-            engine.cancel_compiles()
 
     def step(self):
         outputs = []

@@ -18,7 +18,6 @@ from jpaged.engine.output_processor import OutputProcessor
 from jpaged.engine.step_timing import StepTimings
 from jpaged.logger import configure_logging, logger
 from jpaged.outputs import RequestOutput
-from jpaged.runner import precompile
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -95,30 +94,6 @@ class LLMEngine:
         for seq in request.seqs:
             seq.detokenizer = None
         request.metrics.finished_time = time.time()
-
-    def compile_ahead(self) -> int:
-        """Starts compiling, in background threads, the step shapes the queued requests will meet
-        (`ModelRunner.compile_ahead`); `LLM.generate` calls it after queuing a batch. Only for a
-        batch queued on an idle engine, without precompile, speculation, decode windows, n > 1 or
-        beams (``EngineConfig.compile_ahead``); returns the pieces started."""
-        config, waiting = self.config, list(self.scheduler.waiting)
-        if (not config.compile_ahead or config.precompile or self.scheduler.running or not waiting
-                or self.scheduler.speculation is not None or config.scheduler.num_scheduler_steps > 1
-                or any(r.beam is not None or r.sampling_params.n > 1 for r in waiting)):
-            return 0
-        prompt_lens = [len(r.prompt_token_ids) for r in waiting]
-        output_lens = [min(r.sampling_params.max_tokens or self.max_model_len, self.max_model_len - n)
-                       for r, n in zip(waiting, prompt_lens)]
-        steps = precompile.batch_plan_steps(self.runner.buckets, prompt_lens, output_lens,
-                                            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-                                            greedy=all(r.sampling_params.temperature == 0 for r in waiting))
-        started = self.runner.compile_ahead(steps)
-        logger.debug("compiling %d step pieces ahead, for %d step shapes", started, len(steps))
-        return started
-
-    def cancel_compiles(self) -> None:
-        """Drops the compilations `compile_ahead` started that have not begun (the batch ended)."""
-        self.runner.cancel_compiles()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -9,7 +9,7 @@ from absl import flags
 ENGINE_FLAGS = ["dtype", "kv_cache_dtype", "block_size", "num_kv_blocks", "kv_cache_memory_bytes", "memory_utilization",
                 "max_num_seqs",
                 "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "preemption_mode",
-                "tensor_parallel_size", "attention_backend", "precompile", "compile_ahead", "quantization", "num_scheduler_steps",
+                "tensor_parallel_size", "attention_backend", "precompile", "quantization", "num_scheduler_steps",
                 "speculative_config", "enable_expert_parallel"]
 
 
@@ -40,8 +40,6 @@ def define_engine_flags(flag_values=flags.FLAGS) -> None:
     flags.DEFINE_enum("attention_backend", None, ["auto", "pallas", "xla"], "Attention implementation", **f)
     flags.DEFINE_bool("precompile", None, "Compile every step shape at start, so that none compiles while "
                       "serving (the server's default)", **f)
-    flags.DEFINE_bool("compile_ahead", None, "Without --precompile: compile the step shapes a batch will meet "
-                      "in background threads before its first step (CPU; default on)", **f)
     flags.DEFINE_enum("quantization", None, ["int8", "gguf"],
                       "Weight-only quantization: int8 per output channel (any checkpoint), or gguf "
                       "(a .gguf file's Q8_0/Q4_0/Q4_1 blocks kept as stored); unset: weights as loaded", **f)

@@ -14,9 +14,7 @@ whose layers attend with different windows, fewer tensors that layers of differe
 each layer reads its group's block table and slot mapping and its tensor (`kv_layout`).
 """
 import functools
-import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +24,6 @@ from flax import nnx
 from jpaged import sharding
 from jpaged.core.kv_cache_layout import KVCacheLayout, kv_cache_layout
 from jpaged.core.scheduler_output import SchedulerOutput, StepResult
-from jpaged.logger import logger
 from jpaged.models.attention import attention_backend_of, make_attention_metadata
 from jpaged.runner.buckets import StepBuckets
 from jpaged.runner.decode_window import decode_window
@@ -103,14 +100,11 @@ class ModelRunner:
             self._layers = {key: jax.jit(functools.partial(self.pieces.layer_fns[structure], layout),
                                          donate_argnums=(1,), out_shardings=(replicated, [pool[t] for t in tensors]))
                             for key, structure, _, _, tensors, layout in self._calls}
-            self._layer_names = {key: f"layers{key[0]}x{key[1]}" + ("" if self.kv_layout.is_trivial else str(key[2]))
-                                 for key in self._layers}  # the compile counter's names
+            self._layer_names = [f"layers{structure}x{count}" + ("" if self.kv_layout.is_trivial else str(layout))
+                                 for structure, count, layout in self._layers]  # the compile counter's names
             self._take_rows = jax.jit(_take_rows)  # apart from the head: it alone depends on both counts
             self._head = jax.jit(self.pieces.head, out_shardings=replicated)
             self._sample = jax.jit(sample)
-        self._ahead: dict = {}  # signature -> Future of an executable (compile_ahead)
-        self._lowering: dict | None = None  # while compile_ahead lowers: signature -> Lowered
-        self._compiler: ThreadPoolExecutor | None = None
         self._window = jit_decode_window(self._logits, mesh, pool, max_steps=max_decode_window,
                                          block_size=buckets.block_size, vocab_size=self.config.vocab_size)
 
@@ -142,7 +136,11 @@ class ModelRunner:
             pool.swap_in(out.swap_in)
             pool.copy_blocks(out.block_copies)
         inputs = prepare_inputs(out, self.buckets, self.kv_layout.num_groups)
-        md = self._metadata(inputs)
+        md = make_attention_metadata(self.attention_backend, positions=inputs.positions,
+                                     slot_mapping=inputs.slot_mapping, query_start_loc=inputs.query_start_loc,
+                                     seq_lens=inputs.seq_lens, block_tables=inputs.block_tables,
+                                     num_seqs=inputs.num_seqs, group_slot_mappings=inputs.group_slot_mappings,
+                                     group_block_tables=inputs.group_block_tables, kv_layout=self._md_layout)
         sampling = sampling_tensors(out.sampling, inputs.num_rows)
         n = len(out.sample_rows)
         prepared = time.perf_counter()
@@ -168,13 +166,6 @@ class ModelRunner:
         results[0].prepare_seconds, results[0].device_seconds = prepared - start, time.perf_counter() - prepared
         return results
 
-    def _metadata(self, inputs):
-        return make_attention_metadata(self.attention_backend, positions=inputs.positions,
-                                       slot_mapping=inputs.slot_mapping, query_start_loc=inputs.query_start_loc,
-                                       seq_lens=inputs.seq_lens, block_tables=inputs.block_tables,
-                                       num_seqs=inputs.num_seqs, group_slot_mappings=inputs.group_slot_mappings,
-                                       group_block_tables=inputs.group_block_tables, kv_layout=self._md_layout)
-
     def _run(self, inputs, md, sampling, prompt_lp):
         """(sampled tokens, logprobs, top ids, top logprobs), prompt-logprob results or None."""
         if self.pieces is None:
@@ -182,88 +173,24 @@ class ModelRunner:
                 "step", self._step, self.state, self.kv_pool.caches, inputs.input_ids, md, inputs.logits_indices,
                 prompt_lp, sampling, num_fixed=2)
             return sampled, prompt_out
-        sampled, prompt_out, self.kv_pool.caches = self._run_pieces(inputs, md, sampling, prompt_lp,
-                                                                    self.kv_pool.caches)
-        return sampled, prompt_out
-
-    def _run_pieces(self, inputs, md, sampling, prompt_lp, caches):
-        """The step piece by piece: (sampled tokens, logprobs, top ids, top logprobs), prompt-logprob
-        results or None, the updated pool tensors. While `compile_ahead` lowers, every piece is
-        lowered instead of run, and the results are the outputs' shapes."""
         p = self.pieces
         md = jax.device_put(md, self._replicated)  # once, not once per layer
-        x, extra = self._call(self.counter.signature("embed", inputs.input_ids, md.positions), self._embed,
-                              p.shell_state, inputs.input_ids, md.positions)
-        signatures = {key: self.counter.signature(name, x, extra, md)  # every call of one key: the same shapes
-                      for key, name in self._layer_names.items()}
-        caches = list(caches)
+        x, extra = self.counter.call("embed", self._embed, p.shell_state, inputs.input_ids, md.positions,
+                                     num_fixed=1)
+        for name in self._layer_names:  # every call of one key has the same argument shapes
+            self.counter.note(name, x, extra, md)
+        caches = list(self.kv_pool.caches)
         for key, _, first, end, tensors, _ in self._calls:
-            x, updated = self._call(signatures[key], self._layers[key], p.layer_leaves[first:end],
-                                    [caches[t] for t in tensors], x, extra, md)
+            x, updated = self._layers[key](p.layer_leaves[first:end], [caches[t] for t in tensors], x, extra, md)
             for t, cache in zip(tensors, updated):
                 caches[t] = cache
-        hidden = self._call(self.counter.signature("rows", x, inputs.logits_indices), self._take_rows, x,
-                            inputs.logits_indices)
-        prompt_hidden = None if prompt_lp is None else self._call(
-            self.counter.signature("rows", x, prompt_lp.indices), self._take_rows, x, prompt_lp.indices)
-        logits, prompt_out = self._call(self.counter.signature("head", hidden, prompt_hidden, prompt_lp), self._head,
-                                        p.shell_state, hidden, prompt_hidden, prompt_lp)
-        sampled = self._call(self.counter.signature("sample", logits, sampling), self._sample, logits, sampling)
-        return sampled, prompt_out, caches
-
-    def _call(self, signature: tuple, fn, *args):
-        """``fn(*args)``, counted under ``signature``, by the executable `compile_ahead` made for it
-        where there is one. While `compile_ahead` lowers: lowers ``fn`` instead and returns the
-        shapes of its outputs."""
-        if self._lowering is not None:
-            lowered = fn.lower(*args)
-            if signature not in self.counter.signatures and signature not in self._ahead:
-                self._lowering[signature] = lowered
-            return lowered.out_info
-        self.counter.signatures.add(signature)
-        ahead = self._ahead.get(signature)
-        if ahead is not None:
-            try:
-                return ahead.result()(*args)
-            except (TypeError, ValueError) as e:  # made for other argument shardings (checked before it
-                logger.debug("executable compiled ahead for %s not used: %r", signature[0], e)  # runs)
-            except Exception as e:  # noqa: BLE001 -- its compilation failed: compiled as usual below
-                logger.debug("compiling %s ahead failed: %r", signature[0], e)
-            del self._ahead[signature]
-        return fn(*args)
-
-    # Compiling ahead -------------------------------------------------------------------------------------
-    def compile_ahead(self, steps: list[SchedulerOutput]) -> int:
-        """Starts compiling the pieces of ``steps`` (dummy steps of the shapes a batch will meet,
-        `batch_plan.step_shapes`) that have not compiled yet, in background threads (one per core):
-        the steps that meet a shape then wait for its executable instead of compiling one shape
-        after another. Lowering runs here, before any thread starts (it may time a C++ kernel's
-        shape class: nothing else runs meanwhile); only XLA's compilations run in the threads.
-        Layer pieces on one device only (else nothing is compiled ahead). Returns the pieces started."""
-        if self.pieces is None or self.mesh.size > 1:
-            return 0
-        self._lowering = lowered = {}
-        try:
-            with jax.set_mesh(self.mesh):
-                caches = jax.tree.map(lambda c: jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=c.sharding),
-                                      list(self.kv_pool.caches))
-                for out in steps:
-                    inputs = prepare_inputs(out, self.buckets, self.kv_layout.num_groups)
-                    self._run_pieces(inputs, self._metadata(inputs), sampling_tensors(out.sampling, inputs.num_rows),
-                                     None, caches)
-        finally:
-            self._lowering = None
-        if self._compiler is None:
-            self._compiler = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="jpaged-compile")
-        for signature, low in lowered.items():
-            self._ahead[signature] = self._compiler.submit(low.compile)
-        return len(lowered)
-
-    def cancel_compiles(self) -> None:
-        """Drops the compilations `compile_ahead` started that have not begun (the batch ended)."""
-        for signature, future in list(self._ahead.items()):
-            if future.cancel():
-                del self._ahead[signature]
+        self.kv_pool.caches = caches
+        hidden = self.counter.call("rows", self._take_rows, x, inputs.logits_indices)
+        prompt_hidden = None if prompt_lp is None else self.counter.call("rows", self._take_rows, x,
+                                                                         prompt_lp.indices)
+        logits, prompt_out = self.counter.call("head", self._head, p.shell_state, hidden, prompt_hidden,
+                                               prompt_lp, num_fixed=1)
+        return self.counter.call("sample", self._sample, logits, sampling), prompt_out
 
     # The jitted functions' parameters ------------------------------------------------------------------
     @property

@@ -15,7 +15,6 @@ import time
 
 from jpaged.core.scheduler_output import SampleRow, ScheduledSeq, SchedulerOutput
 from jpaged.logger import logger
-from jpaged.runner.batch_plan import step_shapes
 from jpaged.runner.buckets import StepBuckets
 from jpaged.runner.model_runner import ModelRunner, plain_sampling
 from jpaged.utils import cdiv
@@ -64,13 +63,6 @@ def _dummy_verification(buckets, num_tokens: int, num_rows: int, greedy: bool) -
                                  group_block_tables=group_tables))
         rows += [SampleRow(i, 0, j) for j in range(r)]
     return SchedulerOutput(seqs=seqs, sample_rows=rows, sampling=plain_sampling(num_rows)[0 if greedy else 1])
-
-
-def batch_plan_steps(buckets: StepBuckets, prompt_lens: list[int], output_lens: list[int], *,
-                     max_num_batched_tokens: int, greedy: bool) -> list[SchedulerOutput]:
-    """A dummy step of every shape a batch of these lengths will meet (`batch_plan.step_shapes`)."""
-    shapes = step_shapes(prompt_lens, output_lens, buckets, max_num_batched_tokens=max_num_batched_tokens)
-    return [dummy_step(buckets, t_pad, r_pad, greedy) for t_pad, r_pad in shapes]
 
 
 def step_plan(buckets: StepBuckets, *, max_tokens: int, max_seqs: int, whole_step: bool,
