@@ -129,7 +129,7 @@ def test_every_deployment_names_its_target():
 
 def deployment_cases():
     """Every deployment in bfloat16, and with an int8 KV cache on the GPUs (a TPU deployment's int8
-    compile takes 4-11 minutes on two cores: the README's table has those figures, from the same
+    compile takes 4-11 minutes on two cores: docs/tpu_gpu.md's table has those figures, from the same
     command; the int8 kernels compile for TPU in `test_aot_kernels.py`'s default run)."""
     return [(f, t, kv) for f, t in deployments() for kv in ("auto", "int8") if kv == "auto" or "--gpu" in t]
 
