@@ -19,6 +19,7 @@ def run_benchmark(*flags):
     return result.stdout
 
 
+@pytest.mark.slow  # a minute each: in .ci/run's slow part
 def test_throughput_allocators_and_sharing(llama_dir):
     common = [f"--model={llama_dir[0]}", "--workload=sharegpt-like", "--num_requests=4", "--length_scale=0.05",
               "--max_model_len=256", "--num_kv_blocks=64"]
@@ -28,6 +29,7 @@ def test_throughput_allocators_and_sharing(llama_dir):
     assert "sharing on / off (paged)" in out
 
 
+@pytest.mark.slow
 def test_kv_quant_report(llama_dir):
     """The byte table, then auto vs int8 KV at one byte budget: int8 gets ~3.5x the blocks (head_dim 16)."""
     result = run_script("kv_quant_report.py", f"--model={llama_dir[0]}", "--num_requests=4", "--length_scale=0.05",
