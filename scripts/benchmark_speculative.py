@@ -37,7 +37,7 @@ import time
 
 from absl import app, flags
 
-from bench_common import CACHE_DIR, COMPILE_SECONDS, REPO_ROOT, smollm2_dir
+from bench_common import CACHE_DIR, COMPILE_SECONDS, REPO_ROOT, child_result, model_dir, vllm_cpu_env
 from workloads import make_workload
 from jpaged import LLM, SamplingParams
 
@@ -60,8 +60,6 @@ flags.DEFINE_integer("max_num_seqs", 64, "Sequences per step")
 flags.DEFINE_integer("max_num_batched_tokens", 2048, "Tokens per step")
 flags.DEFINE_string("vllm_python", None, "Python of a vllm-cpu virtualenv: also run vLLM's prompt lookup")
 
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
-            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 VLLM_RUN = """
 import json, sys, time
 if __name__ == "__main__":
@@ -155,11 +153,8 @@ def run(workload: str, k: int, baseline: dict) -> list:
             tokens, seconds = [t for ts, _ in runs for t in ts], sum(s for _, s in runs)
         after = llm.get_metrics()
         rate = sum(map(len, tokens)) / seconds
-        key = (workload, mode)
-        if k == 0:
-            baseline[key] = (rate, tokens)
         baseline[(workload, mode, k)] = (rate, tokens)
-        base_rate, base_tokens = baseline.get(key, (rate, tokens))
+        base_rate, base_tokens = baseline[(workload, mode, 0)]
         line = (f"{workload:<9} {mode:<6} k={k}: {rate:7.1f} output tokens/s  x{rate / base_rate:.2f} vs no speculation"
                 f"  ({sum(map(len, tokens))} tokens, {seconds:.1f} s"
                 f"{'' if tokens == base_tokens else ', OUTPUTS DIFFER'})")
@@ -175,29 +170,28 @@ def run(workload: str, k: int, baseline: dict) -> list:
     return requests
 
 
-def run_vllm(workload: str, k: int, requests, jpaged: dict, baseline: dict, tmp: str) -> None:
-    """vLLM's prompt lookup on the same requests (token ids), in a fresh vLLM process."""
+def run_vllm(workload: str, k: int, requests, jpaged: dict, rates: dict, tmp: str) -> None:
+    """vLLM's prompt lookup on the same requests (token ids), in a fresh vLLM process; its rates go in
+    ``rates`` by (workload, mode, k), jpaged's are in ``jpaged``."""
     path = os.path.join(tmp, f"{workload}-{k}.json")
     with open(path, "w") as f:
         json.dump({"model": F.model, "k": k, "lookup_min": F.prompt_lookup_min, "lookup_max": F.prompt_lookup_max,
                    "max_num_seqs": F.max_num_seqs, "max_num_batched_tokens": F.max_num_batched_tokens,
                    "single": F.single_stream_requests if F.single_stream else 0,
                    "requests": [(list(map(int, p)), s.max_tokens, s.ignore_eos) for p, s in requests]}, f)
-    proc = subprocess.run([F.vllm_python, "-c", VLLM_RUN, path], env={**os.environ, **VLLM_ENV},
+    proc = subprocess.run([F.vllm_python, "-c", VLLM_RUN, path], env={**os.environ, **vllm_cpu_env(4)},
                           capture_output=True, text=True, timeout=1800)
-    found = [line for line in proc.stdout.splitlines() if line.startswith("BENCH ")]
-    if proc.returncode != 0 or not found:
+    result = child_result(proc.stdout)
+    if proc.returncode != 0 or result is None:
         print(f"vllm-cpu  {workload} k={k}: failed (exit {proc.returncode}): {proc.stderr[-1500:]}", flush=True)
         return
-    for mode, r in json.loads(found[-1][len("BENCH "):]).items():
+    for mode, r in result.items():
         if not r["tokens"]:
             continue
-        rate = sum(map(len, r["tokens"])) / r["seconds"]
-        if k == 0:
-            baseline[(workload, mode)] = rate
+        rate = rates[(workload, mode, k)] = sum(map(len, r["tokens"])) / r["seconds"]
         ours = jpaged.get((workload, mode, k))
         print(f"vllm-cpu  {workload:<9} {mode:<6} k={k}: {rate:7.1f} output tokens/s  "
-              f"x{rate / baseline.get((workload, mode), rate):.2f} vs its no speculation"
+              f"x{rate / rates.get((workload, mode, 0), rate):.2f} vs its no speculation"
               + ("" if ours is None else f"  jpaged / vLLM {ours[0] / rate:.2f}x, "
                  f"tokens {'equal to' if ours[1] == r['tokens'] else 'DIFFERENT from'} jpaged's"), flush=True)
 
@@ -205,18 +199,17 @@ def run_vllm(workload: str, k: int, requests, jpaged: dict, baseline: dict, tmp:
 def main(argv):
     del argv
     print(f"load average (1, 5, 15 min) at start: {os.getloadavg()}", flush=True)
-    if F.model == "smollm2":
-        F.model = smollm2_dir(CACHE_DIR)
+    F.model = model_dir(F.model, CACHE_DIR)  # smollm2: built on first use
     if F.vllm_python and not (F.model and os.path.isdir(F.model)):
         sys.exit("benchmark_speculative.py: error: --vllm_python needs --model to be a Hugging Face directory "
                  "(--model smollm2: the embedded weights in float32)")
-    baseline, vllm_baseline, ks = {}, {}, [0] + [int(k) for k in F.ks]
+    baseline, vllm_rates, ks = {}, {}, [0] + [int(k) for k in F.ks]
     with tempfile.TemporaryDirectory(prefix="jpaged-spec-") as tmp:
         for workload in F.workloads:
             for k in ks:
                 requests = run(workload, k, baseline)
             for k in ks if F.vllm_python else []:
-                run_vllm(workload, k, requests, baseline, vllm_baseline, tmp)
+                run_vllm(workload, k, requests, baseline, vllm_rates, tmp)
     print(f"load average (1, 5, 15 min) at end: {os.getloadavg()}", flush=True)
 
 

@@ -32,7 +32,8 @@ import time
 
 from absl import app, flags
 
-from bench_common import CACHE_DIR, REPO_ROOT, describe_machine, model_dir, smollm2_dir
+from bench_common import (CACHE_DIR, REPO_ROOT, child_result, describe_machine, model_dir, smollm2_dir,
+                          vllm_cpu_env)
 from workloads import make_workload
 
 F = flags.FLAGS
@@ -46,7 +47,6 @@ flags.DEFINE_string("cache_dir", CACHE_DIR, "Where bench-llama and smollm2 are b
 flags.DEFINE_integer("kv_cache_memory_bytes", 4 << 30, "batch: both engines' KV memory (vLLM: VLLM_CPU_KVCACHE_SPACE)")
 flags.DEFINE_integer("timeout", 900, "Seconds one process may take")
 
-VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 GENERATE_MAX_TOKENS = 64  # generate: output tokens per prompt
 
 # The child programs. Each prints one line "BENCH {json}": seconds since BENCH_T0 (the parent's
@@ -104,9 +104,9 @@ def run_child(argv: list[str], env: dict) -> dict:
     result = {"exit": time.time() - t0}
     if proc.returncode != 0:
         raise RuntimeError(f"{argv[:3]} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    found = [line for line in proc.stdout.splitlines() if line.startswith("BENCH ")]
-    if found:
-        result.update(json.loads(found[-1][len("BENCH "):]))
+    figures = child_result(proc.stdout)
+    if figures is not None:
+        result.update(figures)
     else:  # scripts/generate.py: its summary line says the seconds since its start at the last token
         m = re.search(r"([\d.]+) s in all", proc.stdout)
         n = re.search(r"prompt \+ (\d+) generated tokens", proc.stdout)
@@ -128,14 +128,13 @@ def commands(case: str, spec_path: str) -> dict:
     if case == "batch":
         runs["jpaged"] = ([sys.executable, "-c", JPAGED_BATCH, spec_path], {"PYTHONPATH": REPO_ROOT})
         if F.vllm_python:
-            runs["vllm-cpu"] = ([F.vllm_python, "-c", VLLM_BATCH, spec_path],
-                                {**VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": str(F.kv_cache_memory_bytes >> 30)})
+            runs["vllm-cpu"] = ([F.vllm_python, "-c", VLLM_BATCH, spec_path], vllm_cpu_env(F.kv_cache_memory_bytes >> 30))
     else:
         runs["jpaged"] = ([sys.executable, os.path.join(REPO_ROOT, "scripts", "generate.py"),
                            f"--max_tokens={GENERATE_MAX_TOKENS}", "--noprint_outputs"],
                           {"PYTHONPATH": REPO_ROOT})
         if F.vllm_python:
-            runs["vllm-cpu"] = ([F.vllm_python, "-c", VLLM_CHAT, spec_path], {**VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"})
+            runs["vllm-cpu"] = ([F.vllm_python, "-c", VLLM_CHAT, spec_path], vllm_cpu_env(1))
     return runs
 
 
@@ -150,7 +149,7 @@ def generate_py_prompts() -> list[str]:
 def write_spec(case: str, directory: str) -> str:
     """The requests, as a JSON file the child programs read."""
     if case == "batch":
-        model = model_dir(F.model, F.cache_dir) if F.model in ("bench-llama", "smollm2") else F.model
+        model = model_dir(F.model, F.cache_dir)
         with open(os.path.join(model, "config.json")) as f:
             vocab = json.load(f)["vocab_size"]
         prompts, out_lens = make_workload(F.workload, vocab, F.num_requests)
@@ -167,21 +166,19 @@ def write_spec(case: str, directory: str) -> str:
 def main(argv):
     del argv
     describe_machine()
-    rows = []
+    by = {}  # (case, cache, engine) -> figures
     with tempfile.TemporaryDirectory(prefix="jpaged-startup-") as tmp:
         for case in F.cases:
             spec_path = write_spec(case, tmp)
             runs = commands(case, spec_path)
             for cache in F.cache:  # cold first: warm reuses its directories
                 for engine, (argv_, env) in runs.items():
-                    result = run_child(argv_, {**env, **cache_env(engine, os.path.join(tmp, case, engine))})
-                    rows.append((case, cache, engine, result))
-                    r = result
+                    caches = cache_env(engine, os.path.join(tmp, case, engine))
+                    r = by[(case, cache, engine)] = run_child(argv_, {**env, **caches})
                     print(f"{case:8s} {cache:4s} {engine:8s}  last token {r['last']:6.1f} s after start "
                           f"(exit {r['exit']:6.1f} s)" + (f", engine ready at {r['ready']:5.1f} s" if "ready" in r else "")
                           + f", {r['tokens']} tokens" + (f", {r['compilations']} compilations" if "compilations" in r
                                                          else ""), flush=True)
-    by = {(c, k, e): r for c, k, e, r in rows}
     for case in F.cases:
         for cache in F.cache:
             if (case, cache, "vllm-cpu") in by:
