@@ -89,6 +89,7 @@ def test_small_models_compile(tmp_path, name, target):
     assert figures["weight_bytes"] > 0 and figures["max_temp_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_speculative_verification_steps_compile(tmp_path):
     """With prompt lookup, the plan holds verification steps (rows past max_num_seqs) too."""
     figures = aot_compile(tmp_path, f"--model={model_json(tmp_path, 'llama')}", "--gpu=h100", *ENGINE, "--shapes=edges",

@@ -32,7 +32,7 @@ def run(path, tp, prompts, **kwargs):
     return llm, [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("fixture,kv_heads", [("mha8_dir", 8), ("gqa2_dir", 2)])
+@pytest.mark.parametrize("fixture,kv_heads", [pytest.param("mha8_dir", 8, marks=pytest.mark.slow), ("gqa2_dir", 2)])
 def test_tensor_parallel_tokens_identical_and_shardings(request, fixture, kv_heads):
     assert len(jax.devices()) >= 8, "conftest sets --xla_force_host_platform_device_count=8"
     path, _ = request.getfixturevalue(fixture)
