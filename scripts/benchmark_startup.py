@@ -32,8 +32,7 @@ import time
 
 from absl import app, flags
 
-from bench_common import (CACHE_DIR, REPO_ROOT, child_result, describe_machine, model_dir, smollm2_dir,
-                          vllm_cpu_env)
+from bench_common import CACHE_DIR, REPO_ROOT, child_result, describe_machine, model_dir, vllm_cpu_env
 from workloads import make_workload
 
 F = flags.FLAGS
