@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import site
 import subprocess
+import sys
 
 from jpaged_kernels.aot import targets
 
@@ -53,6 +55,36 @@ def environment(platform: str) -> dict:
     return env
 
 
+def main_site_dirs() -> list[str]:
+    """The running interpreter's site-packages directories, in its path order: a venv's, a conda
+    env's, the base interpreter's (Debian's dist-packages too) and the user site where enabled."""
+    dirs = [p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages")]
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    return list(dict.fromkeys(os.path.realpath(p) for p in dirs if os.path.isdir(p)))
+
+
+def link_main_environment(venv_dir: str) -> str:
+    """Makes the venv at ``venv_dir`` see this interpreter's packages after its own.
+
+    Writes a ``.pth`` file into the venv's site-packages that adds :func:`main_site_dirs` with
+    ``site.addsitedir`` (so their own ``.pth`` files, editable installs among them, apply too).
+    ``python -m venv --system-site-packages`` is no substitute: run from inside a venv, it links
+    the base interpreter's site-packages, not the venv's.
+
+    Returns:
+      The path of the ``.pth`` file.
+    """
+    venv_python = os.path.join(venv_dir, "bin", "python")
+    purelib = subprocess.run([venv_python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    path = os.path.join(purelib, "jpaged-main-environment.pth")
+    with open(path, "w") as f:
+        for d in main_site_dirs():
+            f.write(f"import site; site.addsitedir({d!r})\n")
+    return path
+
+
 def run_sweep(target: str, preset: str, only: str | None = None, timeout: float = 3600):
     """Runs ``jpaged_kernels.aot.sweep`` for ``target`` in its venv.
 
@@ -69,3 +101,12 @@ def run_sweep(target: str, preset: str, only: str | None = None, timeout: float 
                           env=environment(platform), cwd=_REPO_ROOT)
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     return records, proc.stderr
+
+
+if __name__ == "__main__":  # used by scripts/setup_aot_compilers.sh
+    if sys.argv[1:2] == ["site-dirs"]:
+        print("\n".join(main_site_dirs()))
+    elif sys.argv[1:2] == ["link"] and len(sys.argv) == 3:
+        print(link_main_environment(sys.argv[2]))
+    else:
+        sys.exit("usage: python -m jpaged_kernels.aot.venv site-dirs | link VENV_DIR")
