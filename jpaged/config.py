@@ -106,11 +106,9 @@ class SchedulerConfig:
         "help": "Tokens per engine step (>= 1): prefill chunks and decodes together"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "Longest prompt + output in tokens (>= 1); unset: the model's context length"})
-    # Decode steps per host round trip: when every scheduled sequence is decoding, up to this many
-    # steps run back to back on the device (`Scheduler.plan_decode_window`).
     num_scheduler_steps: int = field(default=1, metadata={
         "help": "Decode steps per host round trip (>= 1): up to this many decode steps run back to back "
-                "on the device when every sequence decodes"})
+                "on the device when every sequence decodes (Scheduler.plan_decode_window)"})
 
     def __post_init__(self):
         if not (isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1):
@@ -137,7 +135,8 @@ class EngineConfig:
     tensor_parallel_size: int = field(default=1, metadata={
         "help": "Devices to shard attention heads and MLP weights over (>= 1)", "group": "parallelism"})
     data_parallel_size: int = field(default=1, metadata={
-        "help": "Engine replicas, each on its own devices, requests spread over them (>= 1)",
+        "help": "Engine replicas (>= 1), each on its own tensor_parallel_size devices; a new request goes "
+                "to the one with the fewest tokens still to process",
         "group": "parallelism"})
     attention_backend: str = field(default="auto", metadata={
         "help": "Attention implementation; auto: pallas on TPU/GPU, xla on the CPU",
