@@ -28,20 +28,32 @@ def _fail(cls, name, value, why):
 class CacheConfig:
     """The paged KV cache: block size and how many blocks the pool holds."""
 
-    block_size: int = 16
-    kv_cache_dtype: str = "auto"              # "auto" (the model dtype) | "int8" | "fp8" (float8_e4m3fn),
-                                              # 8-bit pages with a scale per (token, kv head)
-    num_kv_blocks: int | None = None          # explicit pool size, wins over the byte budgets
-    kv_cache_memory_bytes: int | None = None  # explicit byte budget for the pool
-    memory_utilization: float = 0.9           # share of device memory (after weights) for the pool
-    enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"        # or "swap"
-    swap_space_bytes: int = 4 << 30
-    cpu_default_bytes: int = 256 << 20        # pool budget where devices report no memory (CPU)
-    allocator: str = "paged"                  # benchmarks only: "max" | "pow2" | "oracle" reserve
-                                              # contiguous runs per request, as Orca did
-    share_forked_blocks: bool = True          # benchmarks only: False copies every block on fork
-                                              # (needs the room at once: raises when a fork cannot copy)
+    block_size: int = field(default=16, metadata={"help": "Tokens per KV block: a power of two from 1 to 256"})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "KV cache storage: auto (the model dtype), or int8 / fp8 (float8_e4m3fn) pages with a "
+                "bfloat16 scale per token and KV head", "choices": KV_CACHE_DTYPES})
+    num_kv_blocks: int | None = field(default=None, metadata={
+        "help": "KV pool size in blocks (>= 1); wins over the byte budgets"})
+    kv_cache_memory_bytes: int | None = field(default=None, metadata={
+        "help": "KV pool size in bytes (> 0); wins over memory_utilization"})
+    memory_utilization: float = field(default=0.9, metadata={
+        "help": "Share of the accelerator's memory, in (0, 1], for weights, temporaries and the KV pool "
+                "(the pool gets what is left)"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "Automatic prefix caching: requests sharing a prompt prefix share its full KV blocks"})
+    preemption_mode: str = field(default="recompute", metadata={
+        "help": "How to preempt when the pool is full: recompute the KV later, or swap it to host memory",
+        "choices": ("recompute", "swap")})
+    swap_space_bytes: int = field(default=4 << 30, metadata={
+        "help": "Host memory (bytes, >= 0) for swapped-out KV blocks (preemption_mode=swap)"})
+    cpu_default_bytes: int = field(default=256 << 20, metadata={
+        "help": "KV pool budget in bytes where devices report no memory (CPU)"})
+    allocator: str = field(default="paged", metadata={
+        "help": "KV allocation: paged (blocks on demand), or, for benchmarks only, max / pow2 / oracle: "
+                "contiguous runs reserved per request, as Orca did", "choices": ("paged", "max", "pow2", "oracle")})
+    share_forked_blocks: bool = field(default=True, metadata={
+        "help": "Forked sequences (n > 1, beams) share blocks by reference count; benchmarks only: false "
+                "copies every block on fork (needs the room at once: raises when a fork cannot copy)"})
 
     def __post_init__(self):
         bs = self.block_size
@@ -89,12 +101,14 @@ def check_kv_cache_dtype(kv_cache_dtype: str, attention_backend: str, platform: 
 class SchedulerConfig:
     """Continuous batching limits per engine step."""
 
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # filled from the model when None
-    # Decode steps per host round trip: when every scheduled sequence is decoding, up to this many
-    # steps run back to back on the device (`Scheduler.plan_decode_window`).
-    num_scheduler_steps: int = 1
+    max_num_seqs: int = field(default=256, metadata={"help": "Sequences per engine step (>= 1)"})
+    max_num_batched_tokens: int = field(default=2048, metadata={
+        "help": "Tokens per engine step (>= 1): prefill chunks and decodes together"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "Longest prompt + output in tokens (>= 1); unset: the model's context length"})
+    num_scheduler_steps: int = field(default=1, metadata={
+        "help": "Decode steps per host round trip (>= 1): up to this many decode steps run back to back "
+                "on the device when every sequence decodes (Scheduler.plan_decode_window)"})
 
     def __post_init__(self):
         if not (isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1):
@@ -112,21 +126,43 @@ class SchedulerConfig:
 class EngineConfig:
     """Everything `LLM(...)` takes, grouped."""
 
-    model: str | None = None
-    dtype: str = "auto"
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    attention_backend: str = "auto"   # "pallas" | "xla" | "auto"
-    seed: int = 0
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    compilation_cache_dir: str | None = None  # None: ~/.cache/jpaged/jax
-    quantization: str | None = None   # weights: None (as stored / dtype), "int8" (per output channel,
-                                      # made at load time), "gguf" (a GGUF file's Q8_0/Q4_0/Q4_1 kept)
-    precompile: bool = False  # compile every step shape at start (servers): none compiles while serving
-    speculative_config: object = None  # a SpeculativeConfig, its dict or JSON text (docs/speculative.md)
-    enable_expert_parallel: bool = False  # mixture-of-experts models: whole experts per device over the
-                                          # tensor_parallel_size devices (else each expert split like an MLP)
+    model: str | None = field(default=None, metadata={
+        "help": "HF directory, .gguf file or preset; unset: --config's model, else the embedded "
+                "SmolLM2-135M-Instruct"})
+    dtype: str = field(default="auto", metadata={
+        "help": "Weights and KV cache dtype; auto: bfloat16 on TPU/GPU, float32 on the CPU",
+        "choices": ("auto", *DTYPES)})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "Devices to shard attention heads and MLP weights over (>= 1)", "group": "parallelism"})
+    data_parallel_size: int = field(default=1, metadata={
+        "help": "Engine replicas (>= 1), each on its own tensor_parallel_size devices; a new request goes "
+                "to the one with the fewest tokens still to process",
+        "group": "parallelism"})
+    attention_backend: str = field(default="auto", metadata={
+        "help": "Attention implementation; auto: pallas on TPU/GPU, xla on the CPU",
+        "choices": ("auto", "pallas", "xla")})
+    seed: int = field(default=0, metadata={
+        "help": "The engine's random seed (requests without a seed of their own draw from it)",
+        "flag": "engine_seed"})
+    cache: CacheConfig = field(default_factory=CacheConfig, metadata={
+        "help": "The paged KV cache", "group": "cache"})
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig, metadata={
+        "help": "Continuous batching limits", "group": "scheduler"})
+    compilation_cache_dir: str | None = field(default=None, metadata={
+        "help": "JAX's persistent compilation cache directory; unset: ~/.cache/jpaged/jax"})
+    quantization: str | None = field(default=None, metadata={
+        "help": "Weight-only quantization: int8 per output channel (made at load time, any checkpoint), or "
+                "gguf (a .gguf file's Q8_0/Q4_0/Q4_1 blocks kept as stored); unset: weights as loaded",
+        "choices": QUANTIZATIONS})
+    precompile: bool = field(default=False, metadata={
+        "help": "Compile every step shape at start, so that none compiles while serving (the server's default)"})
+    speculative_config: object = field(default=None, metadata={
+        "help": 'Speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+                '\'{"method": "draft_model", "model": "path/or/preset", "num_speculative_tokens": 4}\' '
+                "(docs/speculative.md)"})
+    enable_expert_parallel: bool = field(default=False, metadata={
+        "help": "Mixture-of-experts models: whole experts per device over the tensor_parallel_size devices "
+                "(else each expert is split like an MLP)", "group": "parallelism"})
 
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -17,7 +17,7 @@ import json
 import math
 import numbers
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jpaged.utils import invalid_text_path
 
@@ -125,28 +125,46 @@ class SamplingParams:
     The options, in the order they apply, are listed in docs/sampling.md.
     """
 
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False  # keep a stop string (or a stop token's text) in .text
-    logit_bias: dict[int, float] | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    structured_outputs: StructuredOutputsParams | None = None
-    prompt_logprobs: int | None = None
+    n: int = field(default=1, metadata={"help": "Samples per prompt (>= 1)"})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (>= 0); 0 is greedy"})
+    top_p: float = field(default=1.0, metadata={
+        "help": "Nucleus sampling: the smallest set of tokens holding this probability mass, in (0, 1]"})
+    top_k: int = field(default=0, metadata={"help": "Sample from the k most likely tokens (>= 0; 0: all)"})
+    min_p: float = field(default=0.0, metadata={
+        "help": "Drop tokens less likely than min_p times the most likely one, in [0, 1]"})
+    seed: int | None = field(default=None, metadata={
+        "help": "Per-request sampling seed; unset: drawn from the engine's seed"})
+    max_tokens: int | None = field(default=16, metadata={"help": "Most new tokens per sequence (>= 1)"})
+    min_tokens: int = field(default=0, metadata={
+        "help": "New tokens before EOS or a stop may end a sequence (>= 0, at most max_tokens)"})
+    stop: str | list[str] | None = field(default=None, metadata={
+        "help": "A string that ends the sequence when generated (not included in the text)"})
+    stop_token_ids: list[int] | None = field(default=None, metadata={
+        "help": "Token ids that end the sequence when generated, e.g. 2,7"})
+    ignore_eos: bool = field(default=False, metadata={"help": "Keep generating past EOS"})
+    logprobs: int | None = field(default=None, metadata={
+        "help": "Top log-probabilities to return per output token, in [0, 20] (0: the sampled token's only)"})
+    presence_penalty: float = field(default=0.0, metadata={
+        "help": "Penalty, in [-2, 2], on tokens already in the output"})
+    frequency_penalty: float = field(default=0.0, metadata={
+        "help": "Penalty, in [-2, 2], per occurrence of a token in the output"})
+    repetition_penalty: float = field(default=1.0, metadata={
+        "help": "Repetition penalty (> 0; 1: off): the positive logits of tokens in the prompt or output are "
+                "divided by it, the negative ones multiplied"})
+    skip_special_tokens: bool = field(default=True, metadata={"help": "Leave special tokens out of the text"})
+    include_stop_str_in_output: bool = field(default=False, metadata={
+        "help": "Keep a stop string (or a stop token's text) in the text"})
+    logit_bias: dict[int, float] | None = field(default=None, metadata={
+        "help": 'Bias in [-100, 100] added to token ids\' logits, as JSON, e.g. \'{"50256": -100}\''})
+    allowed_token_ids: list[int] | None = field(default=None, metadata={
+        "help": "Sample only from these token ids, e.g. 11,12,13"})
+    bad_words: list[str] | None = field(default=None, metadata={
+        "help": "A word that is never generated (alone or after a space)"})
+    structured_outputs: StructuredOutputsParams | None = field(default=None, metadata={
+        "help": "Constrained decoding as JSON of StructuredOutputsParams' fields, one of json, regex, choice, "
+                'grammar, json_object, e.g. \'{"choice": ["yes", "no"]}\' (docs/sampling.md)'})
+    prompt_logprobs: int | None = field(default=None, metadata={
+        "help": "Top log-probabilities to return per prompt token, in [0, 20]"})
 
     def __post_init__(self):
         if isinstance(self.stop, str):

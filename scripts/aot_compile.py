@@ -20,6 +20,7 @@ import sys
 
 from absl import app, flags
 
+from jpaged.entrypoints import flag_help
 from jpaged.entrypoints.engine_flags import define_engine_flags, llm_args
 
 F = flags.FLAGS
@@ -40,10 +41,8 @@ def fail(message) -> None:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-    try:
-        return F(argv)
-    except flags.Error as e:
-        fail(e)
+    """--help lists every flag, grouped; a bad flag is one line and exit status 2."""
+    return flag_help.parse_flags(argv, "aot_compile.py", __doc__)
 
 
 def target() -> tuple[str, str, str | None]:

@@ -16,10 +16,11 @@ import sys  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 
-from jpaged import SamplingParams  # noqa: E402  (no JAX import yet: checking flags stays fast)
-from jpaged.loading import presets  # noqa: E402
+from jpaged.loading import presets  # noqa: E402  (no JAX import yet: checking flags stays fast)
 from jpaged.logger import configure_logging  # noqa: E402
-from jpaged.entrypoints.engine_flags import ENGINE_FLAGS, define_engine_flags  # noqa: E402
+from jpaged.entrypoints.engine_flags import (define_engine_flags, define_sampling_flags, llm_args,  # noqa: E402
+                                             sampling_params)
+from jpaged.entrypoints import flag_help  # noqa: E402
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
@@ -27,27 +28,14 @@ DEFAULT_PROMPTS = [
     "Explain in one sentence why the sky is blue.",
     "List three prime numbers.",
 ]
+SAMPLING_DEFAULTS = {"temperature": 0.0, "max_tokens": 64}  # greedy, longer than SamplingParams' 16
 
 F = flags.FLAGS
 flags.DEFINE_multi_string("prompt", [], "A prompt (repeat for a batch)")
 flags.DEFINE_string("prompts_file", None, "A file with one prompt per line")
 flags.DEFINE_bool("chat", True, "Wrap prompts in the tokenizer's chat template when it has one")
 flags.DEFINE_bool("print_outputs", True, "Print each completion")
-# Sampling
-flags.DEFINE_integer("n", 1, "Samples per prompt")
-flags.DEFINE_float("temperature", 0.0, "0 = greedy")
-flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass")
-flags.DEFINE_integer("top_k", 0, "Top-k (0 = off)")
-flags.DEFINE_float("min_p", 0.0, "Min-p")
-flags.DEFINE_integer("seed", None, "Per-request sampling seed")
-flags.DEFINE_integer("max_tokens", 64, "Maximum new tokens per sequence")
-flags.DEFINE_integer("min_tokens", 0, "Minimum new tokens before EOS/stop may end a sequence")
-flags.DEFINE_multi_string("stop", [], "Stop string (repeatable)")
-flags.DEFINE_bool("ignore_eos", False, "Keep generating past EOS")
-flags.DEFINE_integer("logprobs", None, "Top log-probabilities to return per token")
-flags.DEFINE_float("presence_penalty", 0.0, "Presence penalty")
-flags.DEFINE_float("frequency_penalty", 0.0, "Frequency penalty")
-flags.DEFINE_float("repetition_penalty", 1.0, "Repetition penalty")
+define_sampling_flags(defaults=SAMPLING_DEFAULTS)  # every SamplingParams field
 define_engine_flags()  # --model, --config and every engine setting (None = the preset's or the default)
 
 
@@ -58,23 +46,8 @@ def fail(message) -> None:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl's parsing, with --help exiting 0 and a bad flag answered in one line."""
-    args = argv[1:argv.index("--")] if "--" in argv else argv[1:]
-    if any(a in ("-h", "-?", "--help", "--helpshort") for a in args):
-        app.usage(shorthelp=True, writeto_stdout=True, exitcode=0)
-    if "--helpfull" in args:
-        app.usage(writeto_stdout=True, exitcode=0)
-    try:
-        return F(argv)
-    except flags.Error as e:
-        fail(e)
-
-
-def sampling_params() -> SamplingParams:
-    return SamplingParams(n=F.n, temperature=F.temperature, top_p=F.top_p, top_k=F.top_k, min_p=F.min_p,
-                          seed=F.seed, max_tokens=F.max_tokens, min_tokens=F.min_tokens, stop=F.stop,
-                          ignore_eos=F.ignore_eos, logprobs=F.logprobs, presence_penalty=F.presence_penalty,
-                          frequency_penalty=F.frequency_penalty, repetition_penalty=F.repetition_penalty)
+    """absl's parsing, with --help (grouped, every flag) exiting 0 and a bad flag answered in one line."""
+    return flag_help.parse_flags(argv, "generate.py", __doc__)
 
 
 def read_prompts() -> list[str]:
@@ -94,7 +67,7 @@ def read_prompts() -> list[str]:
 
 def model_and_settings() -> tuple[str | None, dict]:
     """(--model or the --config preset's model, engine settings: the preset's, then the flags')."""
-    settings = {k: getattr(F, k) for k in ENGINE_FLAGS if getattr(F, k) is not None}
+    _, settings = llm_args(F)
     if F.config is not None:
         preset = presets.load_preset(F.config)
         if preset is None:
@@ -134,7 +107,7 @@ def main(argv):
     if len(argv) > 1:
         fail(f"unexpected arguments {argv[1:]} (prompts go in --prompt or --prompts_file)")
     try:
-        params = sampling_params()
+        params = sampling_params(F)
         prompts = read_prompts()
         model, engine_kwargs = model_and_settings()
         from jpaged.engine.startup import engine_config  # imports JAX

@@ -24,6 +24,9 @@ def assert_one_line_error(result, *needles):
     ("--top_p=2", "SamplingParams.top_p=2.0"),
     ("--temperature=hot", "--temperature=hot"),
     ("--no_such_flag=1", "no_such_flag"),
+    ("--logit_bias={5: 1}", "--logit_bias={5: 1}: not valid JSON"),
+    ("--stop_token_ids=2,x", "--stop_token_ids=2,x: expected comma-separated integers"),
+    ("--block_size=big", "--block_size=big"),
 ])
 def test_bad_flags_are_one_line_before_loading(flag, needle):
     # --model points at a path that does not exist: sampling flags are checked even before that
@@ -52,6 +55,9 @@ def test_help_exits_zero():
     result = run_script("generate.py", "--help")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "--temperature" in result.stdout and "Batch generation" in result.stdout
+    for listed in ("--model=", "--config=", "--max_num_seqs=", "--engine_seed=", "--[no]ignore_eos",
+                   "\nsampling flags:", "\ncache flags:", "\ngenerate.py flags:"):  # not only under --helpfull
+        assert listed in result.stdout, listed
 
 
 def test_parallel_samples_under_one_header_and_summary(llama_dir, tmp_path):

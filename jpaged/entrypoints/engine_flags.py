@@ -1,55 +1,64 @@
-"""The engine's absl flags, defined once for every command-line entry point.
+"""The entry points' flag sets, generated from the settings dataclasses (`dataclass_flags`).
 
-``define_engine_flags()`` defines ``--model``, ``--config`` and the engine settings (each None by
-default: the preset's or the engine's default applies); ``llm_args()`` turns them into the
-``LLM(model, **kwargs)`` arguments.
+``define_engine_flags()`` defines ``--config`` and a flag for every field of `EngineConfig` and its
+`CacheConfig` / `SchedulerConfig` (``--model`` included), each None by default: the preset's or
+the engine's default applies; ``llm_args()`` turns them into the ``LLM(model, **kwargs)`` arguments.
+``define_sampling_flags()`` does the same for `SamplingParams`, ``sampling_params()`` builds one.
+A field added to those dataclasses is a flag of every script without more code here.
 """
 from absl import flags
 
-ENGINE_FLAGS = ["dtype", "kv_cache_dtype", "block_size", "num_kv_blocks", "kv_cache_memory_bytes", "memory_utilization",
-                "max_num_seqs",
-                "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "preemption_mode",
-                "tensor_parallel_size", "attention_backend", "precompile", "quantization", "num_scheduler_steps",
-                "speculative_config", "enable_expert_parallel"]
+from jpaged.config import EngineConfig
+from jpaged.entrypoints import dataclass_flags
+from jpaged.entrypoints.dataclass_flags import FieldFlag
+from jpaged.sampling_params import SamplingParams
+
+ENGINE_GROUP, SAMPLING_GROUP = "model/engine", "sampling"
+GROUP_ORDER = (ENGINE_GROUP, "cache", "scheduler", "parallelism", SAMPLING_GROUP)  # --help's order
+
+
+def engine_field_flags() -> list[FieldFlag]:
+    """Every engine setting's flag: EngineConfig's fields, its nested configs' fields in theirs."""
+    return dataclass_flags.field_flags(EngineConfig, ENGINE_GROUP)
+
+
+def sampling_field_flags() -> list[FieldFlag]:
+    return dataclass_flags.field_flags(SamplingParams, SAMPLING_GROUP)
 
 
 def define_engine_flags(flag_values=flags.FLAGS) -> None:
-    f = dict(flag_values=flag_values)
-    flags.DEFINE_string("model", None, "HF directory, .gguf file or preset; default: embedded SmolLM2-135M-Instruct",
-                        **f)
-    flags.DEFINE_string("config", None, "Preset from configs/ (model + engine settings); flags override it", **f)
-    flags.DEFINE_enum("dtype", None, ["auto", "float32", "bfloat16", "float16"], "Weights and KV cache dtype", **f)
-    flags.DEFINE_enum("kv_cache_dtype", None, ["auto", "int8", "fp8"],
-                      "KV cache storage: auto (the model dtype), or int8 / fp8 (e4m3) pages with a bfloat16 scale "
-                      "per token and KV head", **f)
-    flags.DEFINE_integer("block_size", None, "Tokens per KV block", **f)
-    flags.DEFINE_integer("num_kv_blocks", None, "KV pool size in blocks", **f)
-    flags.DEFINE_integer("kv_cache_memory_bytes", None, "KV pool size in bytes", **f)
-    flags.DEFINE_float("memory_utilization", None, "Share of the accelerator's memory for weights, temporaries "
-                       "and the KV pool (the pool gets what is left)", **f)
-    flags.DEFINE_integer("max_num_seqs", None, "Sequences per step", **f)
-    flags.DEFINE_integer("max_num_batched_tokens", None, "Tokens per step", **f)
-    flags.DEFINE_integer("max_model_len", None, "Longest prompt + output", **f)
-    flags.DEFINE_integer("num_scheduler_steps", None, "Decode steps per host round trip: up to this many decode "
-                         "steps run back to back on the device when every sequence decodes", **f)
-    flags.DEFINE_bool("enable_prefix_caching", None, "Automatic prefix caching", **f)
-    flags.DEFINE_enum("preemption_mode", None, ["recompute", "swap"], "How to preempt when the pool is full", **f)
-    flags.DEFINE_integer("tensor_parallel_size", None, "Devices to shard attention heads over", **f)
-    flags.DEFINE_bool("enable_expert_parallel", None, "Mixture-of-experts models: whole experts per device over "
-                      "the tensor_parallel_size devices", **f)
-    flags.DEFINE_enum("attention_backend", None, ["auto", "pallas", "xla"], "Attention implementation", **f)
-    flags.DEFINE_bool("precompile", None, "Compile every step shape at start, so that none compiles while "
-                      "serving (the server's default)", **f)
-    flags.DEFINE_enum("quantization", None, ["int8", "gguf"],
-                      "Weight-only quantization: int8 per output channel (any checkpoint), or gguf "
-                      "(a .gguf file's Q8_0/Q4_0/Q4_1 blocks kept as stored); unset: weights as loaded", **f)
-    flags.DEFINE_string("speculative_config", None,
-                        'Speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
-                        '\'{"method": "draft_model", "model": "path/or/preset", "num_speculative_tokens": 4}\' '
-                        "(docs/speculative.md)", **f)
+    """``--config`` and every engine setting (None: the preset's or the engine's default)."""
+    flags.DEFINE_string("config", None, "Preset from configs/ (model + engine settings) or its .json file; "
+                        "the other flags override it", flag_values=flag_values)
+    for spec in engine_field_flags():
+        dataclass_flags.define(spec, flag_values)
+
+
+def define_sampling_flags(flag_values=flags.FLAGS, defaults: dict | None = None) -> None:
+    """Every SamplingParams field; ``defaults``: the program's own ``{field: value}`` where it
+    differs from SamplingParams' (e.g. greedy)."""
+    defaults = defaults or {}
+    for spec in sampling_field_flags():
+        dataclass_flags.define(spec, flag_values, defaults.get(spec.field))
 
 
 def llm_args(flag_values=flags.FLAGS) -> tuple[str | None, dict]:
-    """``(model, engine kwargs)`` for ``LLM(model, **kwargs)``: only the flags that were set."""
-    kwargs = {k: flag_values[k].value for k in ENGINE_FLAGS if flag_values[k].value is not None}
-    return flag_values["model"].value or flag_values["config"].value, kwargs
+    """``(model, engine kwargs)`` for ``LLM(model, **kwargs)``: only the flags that were set;
+    the model is ``--model``, else ``--config``."""
+    kwargs = dataclass_flags.set_values(engine_field_flags(), flag_values)
+    model = kwargs.pop("model", None)
+    return model or flag_values["config"].value, kwargs
+
+
+def sampling_params(flag_values=flags.FLAGS) -> SamplingParams:
+    """A SamplingParams of the sampling flags that hold a value (ValueError naming a bad field)."""
+    return SamplingParams(**dataclass_flags.set_values(sampling_field_flags(), flag_values))
+
+
+def flag_groups() -> dict[str, list[str]]:
+    """``{group: flag names}`` of the generated flags (``--config`` with the model's), in --help order."""
+    groups = {g: [] for g in GROUP_ORDER}
+    groups[ENGINE_GROUP].append("config")
+    for spec in engine_field_flags() + sampling_field_flags():
+        groups.setdefault(spec.group, []).append(spec.name)
+    return groups

@@ -16,13 +16,12 @@ import sys
 
 from absl import app, flags
 
-from jpaged.entrypoints import engine_flags
+from jpaged.entrypoints import flag_help
 from jpaged.entrypoints.engine_flags import define_engine_flags, llm_args
 from jpaged.logger import configure_logging, logger
 
 F = flags.FLAGS
-define_engine_flags()
-flags.adopt_module_key_flags(engine_flags)  # so that --help lists them
+define_engine_flags()  # --model, --config and every engine setting (--help lists them, grouped)
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on")
 flags.DEFINE_integer("port", 8000, "Port to listen on")
 flags.DEFINE_string("api_key", os.environ.get("JPAGED_API_KEY"),
@@ -94,9 +93,8 @@ def main(argv):
 
 def run():
     """Entry point of ``jpaged-serve`` and ``scripts/serve.py``."""
-    for flag in F.get_key_flags_for_module(sys.modules[__name__]):  # --help lists the flags of the
-        F.register_key_flag_for_module(sys.argv[0], flag)             # program's main module
-    app.run(main)
+    prog = os.path.basename(sys.argv[0]) or "jpaged-serve"
+    app.run(main, flags_parser=lambda argv: flag_help.parse_flags(argv, prog, __doc__))
 
 
 if __name__ == "__main__":
