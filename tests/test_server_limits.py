@@ -10,6 +10,7 @@ import http.client as httplib
 import json
 import logging
 import os
+import queue
 import re
 import signal
 import socket
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from types import SimpleNamespace
 
@@ -262,7 +264,8 @@ def long_context_llama_dir(tmp_path_factory):
 def test_sigterm_drains_then_exits_0(long_context_llama_dir):
     """scripts/serve.py as a process, SIGTERM with two streams in flight: new requests get a 503,
     the short stream finishes, the long one ends at the grace period with finish_reason "abort"
-    and data: [DONE]; the process exits 0."""
+    and data: [DONE]; the process exits 0. It is up when it prints its ready line (and /health is
+    a 200), and /health is a 503 shutting_down while it drains."""
     port = free_port()
     llama_dir = long_context_llama_dir
     proc = subprocess.Popen([sys.executable, os.path.join(REPO, "scripts", "serve.py"), f"--model={llama_dir[0]}",
@@ -271,17 +274,16 @@ def test_sigterm_drains_then_exits_0(long_context_llama_dir):
                              "--shutdown_timeout=6"],
                             cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
+    log: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [log.put(line) for line in proc.stdout] + [log.put(None)], daemon=True).start()
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 180
-        while True:
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            assert time.time() < deadline, "server did not become healthy"
-            try:
-                if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
-                    break
-            except OSError:
-                time.sleep(0.2)
+        deadline, lines = time.time() + 180, []
+        while not (lines and lines[-1].startswith("jpaged: ready on")):  # the one line that says it is up
+            lines.append(log.get(timeout=max(0.1, deadline - time.time())))
+            assert lines[-1] is not None, "".join(lines[:-1])[-3000:]
+        assert lines[-1].startswith(f"jpaged: ready on {url} ({llama_dir[0]}, 3800 blocks of "), lines[-1]
+        assert urllib.request.urlopen(url + "/health", timeout=5).status == 200
 
         def open_stream(max_tokens):
             body = {"model": llama_dir[0], "prompt": "drain", "max_tokens": max_tokens, "temperature": 0,
@@ -308,6 +310,9 @@ def test_sigterm_drains_then_exits_0(long_context_llama_dir):
         except urllib.error.HTTPError as e:
             status, error = e.code, json.loads(e.read())
         assert status == 503 and error["error"]["code"] == "shutting_down"
+        with pytest.raises(urllib.error.HTTPError) as health:
+            urllib.request.urlopen(url + "/health", timeout=30)
+        assert health.value.code == 503 and json.loads(health.value.read())["error"]["code"] == "shutting_down"
         for t in readers:
             t.join(60)
         assert results["short"] == (["length"], True)

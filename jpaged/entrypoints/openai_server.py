@@ -5,9 +5,11 @@ with uvicorn. Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/complet
 ``POST /v1/chat/completions`` (``stream: true`` sends server-sent events ending ``data: [DONE]``),
 ``GET /metrics`` (Prometheus). Errors have OpenAI's shape ``{"error": {"message", "type", "param",
 "code"}}``: 400 for bad JSON, parameters or prompts (``param`` names the field), 401 without the API
-key, 404 for an unknown model, 413 for a body over ``max_body_bytes``, 503 when ``max_num_seqs``
+key, 404 for an unknown model, 413 for a body over ``max_body_bytes``, 415 for a POST whose
+``Content-Type`` is not JSON (`JSONContentTypeMiddleware`), 503 when ``max_num_seqs``
 run and ``max_queued_requests`` already wait (or while draining), 500 when the engine fails a
-request. A client that disconnects aborts its requests.
+request. A client that disconnects aborts its requests. Cross-origin (CORS) headers are sent only
+to the ``allowed_origins`` given (none by default).
 
 Bodies are read, parsed and validated here (not by FastAPI) so that a body is bounded while it
 arrives, a large one is parsed on a worker thread, and a string that is not valid Unicode text is
@@ -34,12 +36,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 
 from jpaged.engine.async_engine import (AdmissionError, AsyncLLMEngine, EngineError, QueueFullError,
                                        RequestAbortedError)
 from jpaged.engine.chat_template import apply_chat_template
 from jpaged.entrypoints.metrics import ServerMetrics
 from jpaged.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from jpaged.logger import logger
 from jpaged.utils import invalid_text_path, release_free_host_memory
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20  # a request body larger than this is a 413
@@ -121,14 +126,19 @@ async def read_body(raw: Request, limit: int) -> bytes:
     if length.isascii() and length.isdigit() and int(length) > max(limit, DISCARD_BYTES):
         raise too_large(int(length))
     chunks, size = [], 0
-    async for chunk in raw.stream():
-        size += len(chunk)
-        if size <= limit:
-            chunks.append(chunk)
-        elif size > DISCARD_BYTES:
-            break
-        else:
-            chunks.clear()
+    try:
+        async for chunk in raw.stream():
+            size += len(chunk)
+            if size <= limit:
+                chunks.append(chunk)
+            elif size > DISCARD_BYTES:
+                break
+            else:
+                chunks.clear()
+    except ClientDisconnect:  # nobody is left to answer: one line, not a traceback
+        logger.info("%s %s: the client disconnected after %d of %s body bytes", raw.method, raw.url.path, size,
+                    length or "its")
+        raise APIError(499, "client disconnected while sending the request body") from None
     if size > limit:
         raise too_large(size if size <= DISCARD_BYTES else f"more than {DISCARD_BYTES}")
     return b"".join(chunks)
@@ -538,6 +548,52 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+def is_json_content_type(value: str) -> bool:
+    """``application/json`` or ``application/*+json``, in any case, with or without parameters
+    (``; charset=utf-8``)."""
+    media_type = value.partition(";")[0].strip().lower()
+    return media_type == "application/json" or (media_type.startswith("application/")
+                                                 and media_type.endswith("+json"))
+
+
+class JSONContentTypeMiddleware:
+    """415 for every POST whose ``Content-Type`` is not JSON (or is missing), before its body is read.
+
+    A web page may send any site a POST with ``text/plain``, a form type or no body at all without
+    a CORS preflight (a "simple request"); no such request can carry a JSON content type, so none
+    reaches a route, whatever the page that sent it.
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST":
+            given = dict(scope["headers"]).get(b"content-type", b"").decode("latin-1").strip()
+            if not is_json_content_type(given):
+                sent = f"`Content-Type: {given}`" if given else "no Content-Type"
+                response = error_response(415, f"Unsupported media type: the request has {sent}; "
+                                               "send the JSON body with `Content-Type: application/json`",
+                                          code="unsupported_media_type")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/?#\s]+", re.IGNORECASE)
+
+
+def check_allowed_origins(origins) -> list[str]:
+    """The origins as a list; a ValueError naming the one that is neither ``*`` nor an origin
+    (``scheme://host[:port]``, no path)."""
+    origins = [o.strip() for o in ([origins] if isinstance(origins, str) else origins)]
+    for origin in origins:
+        if origin != "*" and not ORIGIN.fullmatch(origin):
+            raise ValueError(f"allowed_origins: {origin!r} is not an origin (scheme://host[:port], no path "
+                             "or trailing slash) or '*'")
+    return origins
+
+
 async def _wait_for_disconnect(raw: Request) -> None:
     while True:
         message = await raw.receive()
@@ -563,13 +619,17 @@ async def drain(app: FastAPI, timeout: float, poll: float = 0.05) -> int:
 
 def create_app(async_engine: AsyncLLMEngine, *, served_model_name: str, api_key: str | None = None,
                chat_template: str | None = None, metrics: ServerMetrics | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_origins=()) -> FastAPI:
     """The FastAPI app. Its shutdown (e.g. uvicorn's on SIGTERM) shuts the engine down; `drain`
     first lets the requests in flight finish.
 
     Pass ``metrics`` when it was built before the engine (so that its ``on_output`` is the engine's);
-    otherwise the app makes one and hooks it in.
+    otherwise the app makes one and hooks it in. ``allowed_origins`` (origins such as
+    ``https://app.example``, or ``"*"``) are the web origins whose pages may call the API: their
+    CORS preflights are answered and their responses carry ``Access-Control-Allow-Origin``; by
+    default no page may.
     """
+    allowed_origins = check_allowed_origins(allowed_origins)
     if metrics is None:
         metrics = ServerMetrics(async_engine, served_model_name)
         async_engine.on_output = metrics.on_output
@@ -583,8 +643,12 @@ def create_app(async_engine: AsyncLLMEngine, *, served_model_name: str, api_key:
     app = FastAPI(title="jpaged", lifespan=lifespan)
     app.state.serving, app.state.metrics = serving, metrics
 
+    app.add_middleware(JSONContentTypeMiddleware)
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if allowed_origins:  # outermost: a preflight carries no API key, and errors carry the CORS headers
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
@@ -608,7 +672,10 @@ def create_app(async_engine: AsyncLLMEngine, *, served_model_name: str, api_key:
 
     @app.get("/health")
     async def health():
-        if serving.draining or not async_engine.is_running:
+        if serving.draining:
+            return error_response(503, "the server is shutting down (draining its requests)", type="server_error",
+                                  code="shutting_down")
+        if not async_engine.is_running:
             return error_response(503, "the engine is not running", type="server_error")
         return Response(status_code=200)
 

@@ -5,9 +5,11 @@
   jpaged-serve --config smollm2-135m-instruct --max_num_seqs 64 --max_queued_requests 256
 
 The engine loads and compiles its first step before the port opens, so ``GET /health`` answers 200
-as soon as it answers at all. SIGTERM (or Ctrl-C) drains: new requests get a 503, requests in
-flight finish for up to ``--shutdown_timeout`` seconds, the rest end with ``finish_reason="abort"``
-(streams with their last chunk and ``data: [DONE]``), then the process exits 0.
+as soon as it answers at all; then one line on stderr says so: ``jpaged: ready on
+http://HOST:PORT (MODEL, N blocks of B tokens, max_model_len L)``. SIGTERM (or Ctrl-C) drains: new
+requests get a 503, requests in flight finish for up to ``--shutdown_timeout`` seconds, the rest end
+with ``finish_reason="abort"`` (streams with their last chunk and ``data: [DONE]``), then the
+process exits 0.
 """
 import logging
 import os
@@ -34,6 +36,9 @@ flags.DEFINE_string("chat_template", None, "Jinja chat template (a file or the t
 flags.DEFINE_float("shutdown_timeout", 10.0, "Seconds in-flight requests get to finish after SIGTERM; "
                    "then they end with finish_reason=abort")
 flags.DEFINE_integer("max_request_body_bytes", 8 * 2**20, "Request bodies larger than this get a 413")
+flags.DEFINE_list("allowed_origins", None, "Web origins whose pages may call the API from a browser "
+                  "(comma-separated, e.g. https://app.example,http://localhost:3000, or *): their CORS preflights "
+                  "are answered; default: none")
 flags.DEFINE_enum("log_level", "info", ["critical", "error", "warning", "info", "debug"], "uvicorn log level")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -42,8 +47,9 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 def build_app():
     """Loads the engine (warm-up included) and returns the FastAPI app."""
     from jpaged.engine.async_engine import AsyncLLMEngine
-    from jpaged.entrypoints.openai_server import create_app
+    from jpaged.entrypoints.openai_server import check_allowed_origins, create_app
 
+    allowed_origins = check_allowed_origins(F.allowed_origins or ())  # a bad one fails before the model loads
     model, kwargs = llm_args()
     kwargs.setdefault("precompile", True)  # no compilation inside a request's latency
     async_engine = AsyncLLMEngine.from_args(model, max_queued_requests=F.max_queued_requests, **kwargs)
@@ -53,7 +59,16 @@ def build_app():
             chat_template = f.read()
     name = F.served_model_name or (model.rstrip("/") if model else DEFAULT_MODEL_NAME)
     return create_app(async_engine, served_model_name=name, api_key=F.api_key or None, chat_template=chat_template,
-                      max_body_bytes=F.max_request_body_bytes)
+                      max_body_bytes=F.max_request_body_bytes, allowed_origins=allowed_origins)
+
+
+def ready_line(app, url: str) -> str:
+    """The one line that says the server is up: where, what, and the KV pool it serves from."""
+    serving = app.state.serving
+    engine = serving.engine.engine
+    replica = getattr(engine, "replicas", [engine])[0]  # a data-parallel engine: each replica's pool
+    return (f"ready on {url} ({serving.model_name}, {replica.num_blocks} blocks of {replica.config.cache.block_size} "
+            f"tokens, max_model_len {engine.max_model_len})")
 
 
 FLUSH_SECONDS = 5.0  # after a drain, what the connections get to send their last chunks
@@ -72,6 +87,15 @@ def draining_server(app, **config):
                 self.should_exit = True  # handled in full: not raised again on the way out
             else:
                 super().handle_exit(sig, frame)
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:  # listening, the engine warm: /health answers 200 from now on
+                address = self.servers[0].sockets[0].getsockname()
+                if isinstance(address, tuple):  # (host, port[, flow, scope]); a Unix socket's is its path
+                    host, port = address[:2]
+                    address = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+                logger.info("%s", ready_line(app, address))
 
         async def shutdown(self, sockets=None):
             if not self.force_exit:
