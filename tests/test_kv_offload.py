@@ -269,6 +269,22 @@ class TieredEngineMachine(reliability.EngineMachine):
             shutil.rmtree(self.disk, ignore_errors=True)
 
 
-TestTieredEngineMachine = pytest.mark.slow(TieredEngineMachine.TestCase)  # minutes
+TestTieredEngineMachine = TieredEngineMachine.TestCase
 TestTieredEngineMachine.settings = settings(max_examples=3, stateful_step_count=20, deadline=None,
                                             suppress_health_check=list(HealthCheck))
+
+
+def test_tier_metrics_on_the_prometheus_page():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from jpaged.entrypoints.metrics import _EngineCollector
+
+    offload = KVOffload(host_bytes=1 << 10)
+    offload.store([(7, None, (1, 2))], [(np.zeros(8, np.float32),)])
+    collector = _EngineCollector({"model_name": "m"})
+    collector.snapshot = offload.metrics()
+    registry = CollectorRegistry()
+    registry.register(collector)
+    text = generate_latest(registry).decode()
+    assert 'jpaged:kv_offload_host_used_bytes{model_name="m"} 32.0' in text
+    assert 'jpaged:kv_offload_disk_hits_total{model_name="m"} 0.0' in text
