@@ -4,8 +4,8 @@ Nothing here touches the device. Copies that copy-on-write decides on are queued
 ``pending_copies``; the scheduler hands them to the model runner with the step that needs them,
 which sends them to the device in one batched ``copy_blocks`` call.
 
-Two calls make up admission: ``find_cached_prefix`` (pure: which cached blocks a request's new
-sequences could reuse) and ``allocate_slots`` (atomic: takes the cached blocks and every new block
+Two calls make up admission: ``find_cached_prefix`` (which cached blocks a request's new
+sequences could reuse; pure without tiers) and ``allocate_slots`` (atomic: takes the cached blocks and every new block
 a step needs, for all of a request's sequences, or changes nothing and returns None).
 
 Sliding windows: a manager whose layers all attend through a window of ``sliding_window`` keys
