@@ -165,6 +165,34 @@ def test_in_memory_model_through_host_disk_restart_and_bad_files(tmp_path):
     assert cold[0] == expected and m["kv_offload_disk_hits"] == 0
 
 
+def test_a_step_whose_loads_fail_leaves_no_wrong_hit(tmp_path, monkeypatch):
+    """The step carrying tier loads fails before writing them: its requests end with an error, the
+    blocks registered for the loads are forgotten, and the same prompts then give the right tokens."""
+    model = reliability.tiny_model(vocab_size=64, num_layers=1, seed=6)
+    rng = np.random.default_rng(1)
+    a = [rng.integers(3, 64, 30).tolist()]
+    b = [rng.integers(3, 64, 36).tolist() for _ in range(2)]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    llm = reliability.make_llm(model, num_kv_blocks=14, max_model_len=64, max_num_batched_tokens=32,
+                               kv_offload={"host_bytes": 1 << 20})
+    for prompts in (a, b):
+        llm.generate(prompts, params, use_tqdm=False)
+    pool = llm.llm_engine.runner.kv_pool
+
+    def failing_write(loads):
+        raise RuntimeError("injected load failure")
+
+    monkeypatch.setattr(pool, "write_blocks", failing_write)
+    (failed,) = llm.generate(a, params, use_tqdm=False)
+    assert failed.outputs[0].finish_reason == "error" and "injected load failure" in failed.outputs[0].stop_reason
+    reliability.assert_clean(llm)
+    monkeypatch.undo()
+    (again,) = llm.generate(a, params, use_tqdm=False)
+    assert again.outputs[0].token_ids == reliability.greedy_reference(model, a[0], 5)
+    assert llm.get_metrics()["kv_offload_host_hits"] > 0
+    reliability.assert_clean(llm)
+
+
 @pytest.mark.slow
 def test_llama_through_host_and_disk_and_a_restart(llama_dir, tmp_path):
     path, hf_model = llama_dir
