@@ -297,7 +297,7 @@ class TieredEngineMachine(reliability.EngineMachine):
             shutil.rmtree(self.disk, ignore_errors=True)
 
 
-TestTieredEngineMachine = TieredEngineMachine.TestCase
+TestTieredEngineMachine = pytest.mark.slow(TieredEngineMachine.TestCase)  # ~20 s: with the slow part
 TestTieredEngineMachine.settings = settings(max_examples=3, stateful_step_count=20, deadline=None,
                                             suppress_health_check=list(HealthCheck))
 
