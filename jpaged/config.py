@@ -25,6 +25,52 @@ def _fail(cls, name, value, why):
 
 
 @dataclass
+class KVOffloadConfig:
+    """Prefix-cache tiers below the device pool (`jpaged.core.kv_offload`, docs/kv_offload.md)."""
+
+    host_bytes: int = field(default=0, metadata={
+        "help": "host memory for full prefix-cache blocks evicted from the device pool (0: no host tier)"})
+    disk_path: str | None = field(default=None, metadata={
+        "help": "directory of the disk tier, kept across restarts (None: no disk tier)"})
+    disk_bytes: int = field(default=0, metadata={
+        "help": "most bytes the disk tier keeps under disk_path (least recently used files go first)"})
+
+    def __post_init__(self):
+        for name in ("host_bytes", "disk_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                _fail("kv_offload", name, value, "must be an integer >= 0")
+        if self.disk_path is not None and not (isinstance(self.disk_path, str) and self.disk_path):
+            _fail("kv_offload", "disk_path", self.disk_path, "must be a directory path or None")
+        if self.disk_bytes and self.disk_path is None:
+            _fail("kv_offload", "disk_bytes", self.disk_bytes, "needs a disk_path")
+        if self.disk_path is not None and not self.disk_bytes:
+            _fail("kv_offload", "disk_bytes", self.disk_bytes, "must be > 0 with a disk_path")
+
+    @classmethod
+    def of(cls, value) -> "KVOffloadConfig | None":
+        """A config from itself, a dict, JSON text (a command-line flag) or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            import json
+            try:
+                value = json.loads(value) if value.strip() else None
+            except json.JSONDecodeError as error:
+                raise ValueError(f"kv_offload={value!r}: not JSON ({error})") from None
+            if value is None:
+                return None
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_offload={value!r}: must be a dict with host_bytes, disk_path, disk_bytes")
+        unknown = set(value) - {"host_bytes", "disk_path", "disk_bytes"}
+        if unknown:
+            raise ValueError(f"kv_offload: unknown field(s) {sorted(unknown)}; known: host_bytes, disk_path, "
+                             "disk_bytes")
+        config = cls(**value)
+        return config if config.host_bytes or config.disk_path else None
+
+
+@dataclass
 class CacheConfig:
     """The paged KV cache: block size and how many blocks the pool holds."""
 
@@ -54,6 +100,9 @@ class CacheConfig:
     share_forked_blocks: bool = field(default=True, metadata={
         "help": "Forked sequences (n > 1, beams) share blocks by reference count; benchmarks only: false "
                 "copies every block on fork (needs the room at once: raises when a fork cannot copy)"})
+    kv_offload: object = field(default=None, metadata={
+        "help": "prefix-cache tiers below the device pool, a dict or JSON: "
+                '{"host_bytes": N, "disk_path": DIR, "disk_bytes": N} (docs/kv_offload.md)'})
 
     def __post_init__(self):
         bs = self.block_size
@@ -73,6 +122,11 @@ class CacheConfig:
             _fail("CacheConfig", "swap_space_bytes", self.swap_space_bytes, "must be >= 0")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             _fail("CacheConfig", "kv_cache_dtype", self.kv_cache_dtype, "must be 'auto', 'int8' or 'fp8'")
+        self.kv_offload = KVOffloadConfig.of(self.kv_offload)
+        if self.kv_offload is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_offload: keeps prefix-cache blocks, but enable_prefix_caching=False")
+        if self.kv_offload is not None and self.allocator != "paged":
+            raise ValueError(f"kv_offload: needs allocator='paged', not allocator={self.allocator!r}")
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str, attention_backend: str, platform: str,

@@ -4,6 +4,10 @@ A block is *used* while its reference count is positive. A freed block goes to t
 free queue but keeps its content hash, so a later request with the same prefix can still find and
 revive it; blocks are reused (and their hash forgotten) from the front of the queue, so the least
 recently freed cached block is evicted first.
+
+With prefix-cache tiers (`jpaged.core.kv_offload`), ``offload`` hears of every registered block
+(``on_register``) and of every cached block about to be reused (``on_evict``, before its key is
+forgotten), so its K/V can be kept in host memory or on disk.
 """
 from collections import OrderedDict
 
@@ -19,6 +23,7 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.block_key: list[tuple | None] = [None] * num_blocks  # (hash, parent hash, tokens)
         self.cached: dict[int, int] = {}  # content hash -> block id
+        self.offload = None  # a `KVOffload`, or None
 
     @property
     def num_free_blocks(self) -> int:
@@ -33,6 +38,8 @@ class BlockPool:
         if not self.free_queue:
             raise NoFreeBlocksError("the KV block pool is exhausted")
         block, _ = self.free_queue.popitem(last=False)
+        if self.offload is not None and self.block_key[block] is not None:
+            self.offload.on_evict(block, self.block_key[block])
         self._forget(block)
         self.ref_counts[block] = 1
         return block
@@ -59,6 +66,8 @@ class BlockPool:
 
     def register(self, block: int, block_hash: int, parent_hash: int | None, tokens: tuple) -> None:
         """Makes a full, computed block findable by its content hash."""
+        if self.offload is not None:
+            self.offload.on_register((block_hash, parent_hash, tokens))
         if self.block_key[block] is not None or block_hash in self.cached:
             return  # already cached (here or as an identical block elsewhere)
         self.block_key[block] = (block_hash, parent_hash, tokens)

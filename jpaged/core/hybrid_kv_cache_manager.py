@@ -104,12 +104,18 @@ class HybridKVCacheManager:
     # Prefix caching -------------------------------------------------------------------------------------
     def find_cached_prefix(self, seqs: list[Sequence], cache_salt: str | None = None) -> list[list[tuple]]:
         """The longest prefix cached in every group for every sequence: per sequence, one tuple of
-        block ids (one per group) per cached block."""
+        block ids (one per group) per cached block; blocks only a tier had are loaded first."""
         if not self.enable_prefix_caching:
             return [[] for _ in seqs]
+        if self.pool.offload is None:
+            return self._find_cached_prefix(seqs, cache_salt, False)
+        return self.pool.offload.materialize(self.pool, lambda tiers: self._find_cached_prefix(seqs, cache_salt, tiers))
+
+    def _find_cached_prefix(self, seqs: list[Sequence], cache_salt: str | None, use_tiers: bool) -> list[list[tuple]]:
         limit = min((s.num_tokens - 1) // self.block_size for s in seqs)
         while True:
-            found = [[group.find_cached_blocks(s, cache_salt, limit) for group in self.groups] for s in seqs]
+            found = [[group.find_cached_blocks(s, cache_salt, limit, use_tiers) for group in self.groups]
+                     for s in seqs]
             shortest = min(len(blocks) for per_seq in found for blocks in per_seq)
             if all(len(blocks) == shortest for per_seq in found for blocks in per_seq):
                 return [list(zip(*per_seq)) for per_seq in found]

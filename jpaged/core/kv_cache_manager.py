@@ -4,8 +4,8 @@ Nothing here touches the device. Copies that copy-on-write decides on are queued
 ``pending_copies``; the scheduler hands them to the model runner with the step that needs them,
 which sends them to the device in one batched ``copy_blocks`` call.
 
-Two calls make up admission: ``find_cached_prefix`` (pure: which cached blocks a request's new
-sequences could reuse) and ``allocate_slots`` (atomic: takes the cached blocks and every new block
+Two calls make up admission: ``find_cached_prefix`` (which cached blocks a request's new
+sequences could reuse; pure without tiers) and ``allocate_slots`` (atomic: takes the cached blocks and every new block
 a step needs, for all of a request's sequences, or changes nothing and returns None).
 
 Sliding windows: a manager whose layers all attend through a window of ``sliding_window`` keys
@@ -16,11 +16,16 @@ the table keeps its length, so block i still holds positions ``i * block_size ..
 hit then needs only the blocks in the window of the first new token (a cached prefix whose window
 blocks were evicted is a shorter hit, never a wrong one). `HybridKVCacheManager` runs one of these
 per KV-cache group over one shared pool.
+
+Prefix-cache tiers (``offload``, a `jpaged.core.kv_offload.KVOffload` set on the pool): a lookup
+that misses in the pool asks the tiers by the same keys; their hits are loaded into free device
+blocks before admission takes them (`KVOffload.materialize`), so they count as cached tokens.
 """
 from collections import Counter
 from typing import Protocol
 
 from jpaged.core.block_pool import BlockPool
+from jpaged.core.kv_offload import TierBlock
 from jpaged.core.request import Sequence
 from jpaged.utils import cdiv
 
@@ -266,7 +271,10 @@ class KVCacheManager:
     # Prefix caching -------------------------------------------------------------------------------
     def _root_hash(self, cache_salt: str | None) -> int | None:
         root = None if cache_salt is None else hash(("salt", cache_salt))
-        return root if self.group == 0 else hash(("kv_cache_group", self.group, root))
+        root = root if self.group == 0 else hash(("kv_cache_group", self.group, root))
+        if self.pool.offload is not None:  # what the root was hashed from, for the disk tier's ids
+            self.pool.offload.name_root(root, (cache_salt, self.group))
+        return root
 
     def _hash_chain(self, seq: Sequence, cache_salt: str | None, num_blocks: int) -> list[int]:
         """The prefix-cache keys of the sequence's first ``num_blocks`` full blocks."""
@@ -277,7 +285,7 @@ class KVCacheManager:
         return keys
 
     def find_cached_blocks(self, seq: Sequence, cache_salt: str | None = None,
-                           max_blocks: int | None = None) -> list[int]:
+                           max_blocks: int | None = None, use_tiers: bool = False) -> list[int]:
         """The longest cached prefix of this sequence's tokens, at most ``max_blocks`` blocks, as the
         table that would start from it (changes nothing). Globally attending layers need every
         block of it; windowed ones only those the first new token's window reaches (the others
@@ -295,6 +303,8 @@ class KVCacheManager:
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             block_hash = hash((parent, chunk))
             found.append(self.pool.lookup(block_hash, parent, chunk))
+            if found[-1] is None and use_tiers and self.pool.offload.contains((block_hash, parent, chunk)):
+                found[-1] = TierBlock((block_hash, parent, chunk))  # `find_cached_prefix` loads it
             if found[-1] is None and self.sliding_window is None:
                 break
             parent = block_hash
@@ -306,10 +316,16 @@ class KVCacheManager:
 
     def find_cached_prefix(self, seqs: list[Sequence], cache_salt: str | None = None) -> list[list[int]]:
         """Cached blocks for each of a request's new sequences, all of one length (the fewest any
-        of them has), so that the request's sequences stay in step."""
+        of them has), so that the request's sequences stay in step. Blocks only a tier had are
+        loaded into free device blocks first."""
+        if self.pool.offload is None:
+            return self._find_cached_prefix(seqs, cache_salt, False)
+        return self.pool.offload.materialize(self.pool, lambda tiers: self._find_cached_prefix(seqs, cache_salt, tiers))
+
+    def _find_cached_prefix(self, seqs: list[Sequence], cache_salt: str | None, use_tiers: bool) -> list:
         limit = min((s.num_tokens - 1) // self.block_size for s in seqs)
         while True:
-            found = [self.find_cached_blocks(s, cache_salt, limit) for s in seqs]
+            found = [self.find_cached_blocks(s, cache_salt, limit, use_tiers) for s in seqs]
             shortest = min(map(len, found))
             if all(len(f) == shortest for f in found):
                 return found

@@ -103,6 +103,9 @@ class Scheduler:
                 for r in out.sample_rows]
         out.sampling = build_sampling_batch(rows, self.seed)
         out.num_steps = self._plan_decode_window(out, scheduled)
+        offload = getattr(self.kv_cache.pool, "offload", None)
+        if offload is not None:  # last: everything above may have evicted blocks
+            out.kv_stores, out.kv_loads = offload.take_moves()
         return out
 
     def _seq(self, out: SchedulerOutput, seq_row: int) -> Sequence:

@@ -73,6 +73,9 @@ class SchedulerOutput:
     ``num_steps`` > 1 makes it a decode window: every sequence decodes one token per step for that
     many steps on the device (``block_table``s already cover them), the sampled tokens fed back there.
     ``swap_out`` pairs are (device block, host block), ``swap_in`` pairs (host block, device block).
+    Prefix-cache tiers (`jpaged.core.kv_offload`): ``kv_stores`` are (device block, prefix-cache
+    key) of cached blocks evicted this step, read before anything the step writes; ``kv_loads``
+    (device block, the block's arrays) fill free blocks with tier hits before the step runs.
     """
 
     requests: list[ScheduledRequest] = field(default_factory=list)
@@ -83,6 +86,8 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    kv_stores: list[tuple[int, tuple]] = field(default_factory=list)
+    kv_loads: list[tuple[int, tuple]] = field(default_factory=list)
     num_steps: int = 1
     preempted: list[str] = field(default_factory=list)
 

@@ -152,6 +152,8 @@ class LLMEngine:
                 pool.reset()
         if hasattr(self.kv_cache.pool, "forget_free_blocks"):
             self.kv_cache.pool.forget_free_blocks()
+        if getattr(self.kv_cache.pool, "offload", None) is not None:
+            self.kv_cache.pool.offload.drop_pending()
         return outputs
 
     def _fail_unschedulable(self) -> list[RequestOutput]:
@@ -193,4 +195,5 @@ class LLMEngine:
             "block_size": self.config.cache.block_size,
             "attention_backend": self.attention_backend,
             **({} if self.scheduler.speculation is None else self.scheduler.speculation.stats.as_metrics()),
+            **({} if getattr(pool, "offload", None) is None else pool.offload.metrics()),
         }

@@ -14,6 +14,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 import jpaged_kernels
 from jpaged import sharding
@@ -21,6 +22,8 @@ from jpaged.config import DTYPES, CacheConfig, EngineConfig, SchedulerConfig, ch
 from jpaged.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from jpaged.core.kv_cache_layout import KVCacheLayout, kv_cache_layout
 from jpaged.core.kv_cache_manager import KVCacheManager
+from jpaged.core.kv_offload import KVOffload
+from jpaged.core.kv_offload import namespace as kv_namespace
 from jpaged.core.scheduler import Scheduler
 from jpaged.loading import presets
 from jpaged.loading.model_loader import load_model
@@ -166,9 +169,36 @@ def kv_cache_manager(config: EngineConfig, num_blocks: int, max_model_len: int, 
     return ReservationKVCacheManager(num_blocks, cc.block_size, mode=cc.allocator, max_model_len=max_model_len)
 
 
+def kv_offload_connector(config: EngineConfig, model, *, in_memory: bool, dtype, kv_dtype,
+                         layout: KVCacheLayout) -> KVOffload:
+    """The prefix-cache tiers of ``config.cache.kv_offload``, the disk tier in a namespace of this
+    model's weights and KV layout (`jpaged.core.kv_offload.namespace`)."""
+    cc, mc = config.cache, model.config
+    path = config.model
+    if path is None and not in_memory:
+        from jpaged.loading.gguf_loader import default_model_path
+        path = default_model_path()
+    if not in_memory and isinstance(path, str) and os.path.exists(path):
+        weights = "files:" + kv_namespace.checkpoint_digest(path)
+    else:  # a model given in memory
+        weights = "params:" + kv_namespace.params_digest(jax.tree.leaves(nnx.state(model)))
+    name = kv_namespace.namespace(
+        weights, dtype=jnp.dtype(dtype).name, kv_dtype=jnp.dtype(kv_dtype).name, block_size=cc.block_size,
+        group_windows=list(layout.group_windows), layers=[list(x) for x in layout.layers],
+        num_tensors=layout.num_tensors, head_dim=mc.head_dim,
+        kv_heads_per_device=max(1, mc.num_kv_heads // config.tensor_parallel_size),
+        quantization=config.quantization)
+    o = cc.kv_offload
+    logger.info("kv_offload: host tier %.1f MiB, disk tier %s", o.host_bytes / 2**20,
+                f"{o.disk_bytes / 2**20:.1f} MiB in {os.path.join(o.disk_path, name)}" if o.disk_path else "off")
+    return KVOffload(host_bytes=o.host_bytes, disk_path=o.disk_path, disk_bytes=o.disk_bytes, namespace=name,
+                     block_size=cc.block_size)
+
+
 def build(config: EngineConfig, model=None, tokenizer=None, devices=None) -> EngineParts:
     """Every part of an engine, its step shapes compiled (all of them with ``precompile``)."""
     mesh = sharding.make_mesh(config.tensor_parallel_size, devices)
+    in_memory = model is not None
     enable_compilation_cache(config.compilation_cache_dir)
     dtype, backend, kv_dtype = resolve_platform(config, mesh)
     model, tokenizer = load(config, model, tokenizer, dtype=dtype, backend=backend, mesh=mesh)
@@ -206,6 +236,13 @@ def build(config: EngineConfig, model=None, tokenizer=None, devices=None) -> Eng
         logger.info("KV cache groups (sliding window per group, None: global): %s; %d layers per block",
                     list(layout.group_windows), layout.num_tensors)
     kv_cache = kv_cache_manager(config, num_blocks, max_model_len, layout)
+    offload = None
+    if cc.kv_offload is not None:
+        if draft is not None:
+            raise ValueError("kv_offload: the tiers keep the target model's blocks only; speculative_config "
+                             "(method='draft_model') also needs the draft's (use method='ngram')")
+        offload = kv_offload_connector(config, model, in_memory=in_memory, dtype=dtype, kv_dtype=kv_dtype, layout=layout)
+        kv_cache.pool.offload = offload
     swap_blocks = cc.swap_space_bytes // per_block if cc.preemption_mode == "swap" else 0
     scheduler = Scheduler(sc, kv_cache, max_model_len=max_model_len, preemption_mode=cc.preemption_mode,
                           swap_capacity_blocks=swap_blocks, seed=config.seed,
@@ -226,7 +263,7 @@ def build(config: EngineConfig, model=None, tokenizer=None, devices=None) -> Eng
                           num_kv_groups=layout.num_groups)
     runner = ModelRunner(model, pool, buckets, mesh=mesh, dtype=dtype, max_decode_window=sc.num_scheduler_steps,
                          whole_step=mesh.devices.flat[0].platform in ("tpu", "gpu"), drafter=drafter,
-                         kv_layout=layout)
+                         kv_layout=layout, kv_offload=offload)
     start = time.perf_counter()
     precompile.warm_up(runner, max_tokens=sc.max_num_batched_tokens, max_seqs=sc.max_num_seqs,
                        precompile=config.precompile, decode_windows=sc.num_scheduler_steps > 1)

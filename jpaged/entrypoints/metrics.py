@@ -43,6 +43,19 @@ class _EngineCollector:
                      s.get("prefix_cache_hits", 0))
         yield metric(CounterMetricFamily, "jpaged:num_preemptions", "Requests preempted.",
                      s.get("num_preemptions", 0))
+        if "kv_offload_host_hits" in s:  # prefix-cache tiers (docs/kv_offload.md)
+            for tier in ("host", "disk"):
+                yield metric(CounterMetricFamily, f"jpaged:kv_offload_{tier}_hits",
+                             f"Prompt tokens loaded from the {tier} tier.", s[f"kv_offload_{tier}_hits"])
+                yield metric(CounterMetricFamily, f"jpaged:kv_offload_{tier}_loaded_bytes",
+                             f"Bytes loaded from the {tier} tier.", s[f"kv_offload_{tier}_loaded_bytes"])
+                yield metric(CounterMetricFamily, f"jpaged:kv_offload_{tier}_stored_bytes",
+                             f"Bytes stored into the {tier} tier.", s[f"kv_offload_{tier}_stored_bytes"])
+                yield metric(GaugeMetricFamily, f"jpaged:kv_offload_{tier}_used_bytes",
+                             f"Bytes the {tier} tier holds now.", s[f"kv_offload_{tier}_used_bytes"])
+            yield metric(CounterMetricFamily, "jpaged:kv_offload_load_seconds",
+                         "Seconds spent reading tier blocks and writing them into the device pool.",
+                         s["kv_offload_load_seconds"])
         if "spec_decode_num_drafts" in s:  # speculative decoding (vLLM's vllm:spec_decode_* counters)
             for name, doc in (("num_drafts", "Sequence steps that verified proposals."),
                               ("num_draft_tokens", "Proposed tokens verified."),

@@ -7,7 +7,8 @@ split over the mesh's ``model`` axis on its head axis (tensor parallelism).
 
 Moves: copy-on-write copies (``copy_blocks``, one batched call per step), and swapping between
 the device pool and a host buffer of ``num_host_blocks`` blocks (filled only when a request is
-swapped out) by the block-id pairs of the step.
+swapped out) by the block-id pairs of the step; and reading and writing whole blocks for the
+prefix-cache tiers (`read_blocks`, `write_blocks`: `jpaged.core.kv_offload`).
 """
 import jax
 import jax.numpy as jnp
@@ -113,6 +114,34 @@ class KVPool:
         data = []
         for buffer in self.host:
             d = buffer[:, :, list(host)]
+            pad = np.zeros(d.shape[:2] + (len(blocks) - d.shape[2],) + d.shape[3:], d.dtype)
+            data.append(np.concatenate([d, pad], axis=2))
+        self.caches = self._scatter(self.caches, blocks, tuple(data))
+
+    def read_blocks(self, blocks: list[int]):
+        """Starts copying these device blocks to the host (asynchronously where the arrays can);
+        returns a function that waits and gives each block's arrays, a tuple per block of
+        ``[layers, kv_heads, block_size, ...]`` arrays (pages, then scale words). Dispatched before
+        the step, the copy reads the blocks as they were before the step writes."""
+        data = self._gather(self.caches, padded_ids(list(blocks), 4, fill=0))
+        for array in data:
+            if hasattr(array, "copy_to_host_async"):
+                array.copy_to_host_async()
+
+        def result() -> list[tuple[np.ndarray, ...]]:
+            arrays = [np.asarray(a) for a in data]
+            return [tuple(np.ascontiguousarray(a[:, :, i]) for a in arrays) for i in range(len(blocks))]
+        return result
+
+    def write_blocks(self, loads: list[tuple[int, tuple]]) -> None:
+        """Writes block arrays (as `read_blocks` gives them) into device blocks, (block, arrays) pairs,
+        in one host -> device transfer."""
+        if not loads:
+            return
+        blocks = padded_ids([b for b, _ in loads], 4)
+        data = []
+        for k in range(len(loads[0][1])):
+            d = np.stack([arrays[k] for _, arrays in loads], axis=2)
             pad = np.zeros(d.shape[:2] + (len(blocks) - d.shape[2],) + d.shape[3:], d.dtype)
             data.append(np.concatenate([d, pad], axis=2))
         self.caches = self._scatter(self.caches, blocks, tuple(data))

@@ -74,13 +74,16 @@ class ModelRunner:
     """Owns the device side: parameters, the KV pool, and the jitted functions that use them."""
 
     def __init__(self, model, kv_pool: KVPool, buckets: StepBuckets, *, mesh, dtype, max_decode_window: int = 1,
-                 whole_step: bool = False, drafter=None, kv_layout: KVCacheLayout | None = None):
+                 whole_step: bool = False, drafter=None, kv_layout: KVCacheLayout | None = None,
+                 kv_offload=None):
         """``dtype``: the model's activations. ``whole_step``: one jitted function per step
         (accelerators), else layer pieces where the model has them. ``max_decode_window``: the most
         decode steps one window runs. ``drafter``: a `DraftModelProposer` (speculative decoding
         with a draft model), run after each step. ``kv_layout``: the KV-cache groups (default: one
-        group, a pool tensor per layer)."""
+        group, a pool tensor per layer). ``kv_offload``: the prefix-cache tiers' `KVOffload`, which
+        keeps the blocks a step stores."""
         self.config, self.dtype = model.config, dtype
+        self.kv_offload = kv_offload
         self.drafter = drafter
         self.kv_pool, self.buckets, self.mesh = kv_pool, buckets, mesh
         self.kv_layout = kv_layout or kv_cache_layout([None] * model.config.num_layers)
@@ -131,8 +134,14 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> list[StepResult]:
         """Runs the step (``out.num_steps`` of them for a decode window): one result per step."""
         start = time.perf_counter()
+        stored = self.kv_pool.read_blocks([b for b, _ in out.kv_stores]) if out.kv_stores else None
         for pool in self.kv_pools:  # a draft model's pool has the same block tables
             pool.swap_out(out.swap_out)  # before anything this step writes into the freed blocks
+        if out.kv_loads:  # tier hits into free blocks, before the step reads them
+            loading = time.perf_counter()
+            self.kv_pool.write_blocks(out.kv_loads)
+            self.kv_offload.note_load_seconds(time.perf_counter() - loading)
+        for pool in self.kv_pools:
             pool.swap_in(out.swap_in)
             pool.copy_blocks(out.block_copies)
         inputs = prepare_inputs(out, self.buckets, self.kv_layout.num_groups)
@@ -164,6 +173,8 @@ class ModelRunner:
                 if drafts is not None:
                     results[0].draft_token_ids = np.asarray(drafts)[:len(out.seqs)]
         results[0].prepare_seconds, results[0].device_seconds = prepared - start, time.perf_counter() - prepared
+        if stored is not None:  # the copies ran beside the step
+            self.kv_offload.store([key for _, key in out.kv_stores], stored())
         return results
 
     def _run(self, inputs, md, sampling, prompt_lp):
