@@ -47,6 +47,8 @@ class EngineParts:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     num_blocks: int
+    kv_bytes_per_block: int  # per device, every layer (and a draft model's) together
+    max_model_len_note: str  # why max_model_len is below the model's, or ""
     kv_layout: KVCacheLayout  # the KV-cache groups: which table and pool tensor each layer uses
     kv_cache: object         # KVCacheManager (HybridKVCacheManager for several groups), or a baseline
     scheduler: Scheduler
@@ -151,6 +153,35 @@ def num_kv_blocks(config: EngineConfig, mesh, per_block: int, max_model_len: int
     return int(n), source
 
 
+def fit_max_model_len(config: EngineConfig, max_model_len: int, num_blocks: int, source: str, per_block: int,
+                      layout: KVCacheLayout) -> tuple[int, str]:
+    """(max_model_len, why it is below the model's or "") so that one sequence of max_model_len fits the
+    pool. Unset by the user: the model's, capped to what the pool holds (logged once). Set larger
+    than a pool sized from a byte budget holds: ValueError naming both numbers (as vLLM does at start).
+    A pool the user sized with ``num_kv_blocks`` is taken as given: a request longer than it is
+    refused on its own (tests and benchmarks run tight pools on purpose)."""
+    cc, sc = config.cache, config.scheduler
+    fits = layout.max_tokens_per_seq(num_blocks, cc.block_size, sc.max_num_batched_tokens, max_model_len)
+    if fits >= max_model_len:
+        return max_model_len, ""
+    pool = f"the KV pool holds {num_blocks} blocks of {cc.block_size} tokens"
+    if fits < 2:
+        raise ValueError(f"num_kv_blocks={num_blocks}: too small for one sequence of 2 tokens ({source}); "
+                         f"{pool} and a sequence needs {layout.max_blocks_per_seq(2, cc.block_size, 1)}")
+    if sc.max_model_len is None:
+        logger.info("max_model_len capped from %d to %d: %s; set kv_cache_memory_bytes/num_kv_blocks to raise it",
+                    max_model_len, fits, pool)
+        return fits, (f"capped from the model's {max_model_len} because {pool}; "
+                      "set num_kv_blocks/kv_cache_memory_bytes to raise it")
+    if cc.num_kv_blocks is None:
+        need = layout.max_blocks_per_seq(max_model_len, cc.block_size, sc.max_num_batched_tokens)
+        raise ValueError(f"max_model_len={max_model_len}: one sequence of it needs {need} KV blocks of "
+                         f"{cc.block_size} tokens ({need * per_block} bytes), but the pool ({source}) holds "
+                         f"{num_blocks} ({num_blocks * per_block} bytes); lower max_model_len to <= {fits} or "
+                         f"set kv_cache_memory_bytes >= {need * per_block} (or num_kv_blocks >= {need})")
+    return max_model_len, ""
+
+
 def kv_cache_manager(config: EngineConfig, num_blocks: int, max_model_len: int, layout: KVCacheLayout | None = None):
     cc = config.cache
     layout = layout or kv_cache_layout([None])
@@ -195,6 +226,8 @@ def build(config: EngineConfig, model=None, tokenizer=None, devices=None) -> Eng
                     for c, n in [(mc, layout.num_tensors)] + ([(draft.config, draft.config.num_layers)]
                                                               if draft is not None else []))  # a draft's pool: same blocks
     num_blocks, source = num_kv_blocks(config, mesh, per_block, max_model_len, layout)
+    max_model_len, max_model_len_note = fit_max_model_len(config, max_model_len, num_blocks, source, per_block,
+                                                          layout)
     kv_name = jnp.dtype(kv_dtype).name
     if jpaged_kernels.quant.is_quantized(kv_dtype):
         kv_name += f" + {jnp.dtype(jpaged_kernels.SCALE_DTYPE).name} scales"
@@ -233,4 +266,5 @@ def build(config: EngineConfig, model=None, tokenizer=None, devices=None) -> Eng
     logger.debug("warm-up took %.1f s", time.perf_counter() - start)
     return EngineParts(mesh=mesh, dtype=dtype, kv_cache_dtype=kv_dtype, attention_backend=backend, model_config=mc,
                        tokenizer=tokenizer, max_model_len=max_model_len, eos_token_ids=eos, num_blocks=num_blocks,
+                       kv_bytes_per_block=per_block, max_model_len_note=max_model_len_note,
                        kv_layout=layout, kv_cache=kv_cache, scheduler=scheduler, runner=runner)
