@@ -10,7 +10,6 @@ runner are built and the step shapes compiled.
 """
 import dataclasses
 import os
-import time
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +25,7 @@ from jpaged.loading import presets
 from jpaged.loading.model_loader import load_model
 from jpaged.logger import logger
 from jpaged.models.attention import attention_windows
+from jpaged.progress import phase
 from jpaged.runner import kv_pool, precompile
 from jpaged.runner.buckets import StepBuckets
 from jpaged.runner.compile_counter import CompileCounter
@@ -121,8 +121,10 @@ def load(config: EngineConfig, model, tokenizer, *, dtype, backend: str, mesh):
     if path is None:
         from jpaged.loading.gguf_loader import default_model_path
         path = default_model_path()
-    model, _, tokenizer = load_model(path, dtype=dtype, mesh=mesh, attention_backend=backend,
-                                     quantization=config.quantization, expert_parallel=config.enable_expert_parallel)
+    with phase(f"loading {path}"):
+        model, _, tokenizer = load_model(path, dtype=dtype, mesh=mesh, attention_backend=backend,
+                                         quantization=config.quantization,
+                                         expert_parallel=config.enable_expert_parallel)
     release_free_host_memory()
     return model, tokenizer
 
@@ -260,10 +262,9 @@ def build(config: EngineConfig, model=None, tokenizer=None, devices=None) -> Eng
     runner = ModelRunner(model, pool, buckets, mesh=mesh, dtype=dtype, max_decode_window=sc.num_scheduler_steps,
                          whole_step=mesh.devices.flat[0].platform in ("tpu", "gpu"), drafter=drafter,
                          kv_layout=layout)
-    start = time.perf_counter()
-    precompile.warm_up(runner, max_tokens=sc.max_num_batched_tokens, max_seqs=sc.max_num_seqs,
-                       precompile=config.precompile, decode_windows=sc.num_scheduler_steps > 1)
-    logger.debug("warm-up took %.1f s", time.perf_counter() - start)
+    with phase("warm-up (compiling the step shapes)"):
+        precompile.warm_up(runner, max_tokens=sc.max_num_batched_tokens, max_seqs=sc.max_num_seqs,
+                           precompile=config.precompile, decode_windows=sc.num_scheduler_steps > 1)
     return EngineParts(mesh=mesh, dtype=dtype, kv_cache_dtype=kv_dtype, attention_backend=backend, model_config=mc,
                        tokenizer=tokenizer, max_model_len=max_model_len, eos_token_ids=eos, num_blocks=num_blocks,
                        kv_bytes_per_block=per_block, max_model_len_note=max_model_len_note,

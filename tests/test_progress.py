@@ -1,0 +1,99 @@
+"""Progress on start-up's waits: counted work prints `k/N, ~T s left` lines at a bounded rate off a
+terminal, a slow phase says what it is doing, precompile reports its step shapes on stderr, and the
+kernel-choice log line names its subject once."""
+import io
+import logging
+import time
+
+from jpaged import progress
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        logger = logging.getLogger("jpaged")
+        self.level = logger.level
+        logger.addHandler(self)
+        logger.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc):
+        logger = logging.getLogger("jpaged")
+        logger.removeHandler(self)
+        logger.setLevel(self.level)
+
+
+def test_count_progress_lines_are_delayed_rate_bounded_and_estimate_time_left():
+    clock, out = FakeClock(), io.StringIO()  # StringIO is no terminal: plain lines
+    p = progress.CountProgress("precompile: step shapes", 10, stream=out, delay=5, interval=5, clock=clock)
+    for t in (1, 2, 3, 6, 7, 8, 12, 13, 14, 20):  # one unit done at each of these times
+        clock.now = t
+        p.update()
+    p.close()
+    assert out.getvalue().splitlines() == [
+        "jpaged: precompile: step shapes 4/10, ~9 s left",   # t=6: the first past the delay, 1.5 s a unit
+        "jpaged: precompile: step shapes 7/10, ~5 s left",   # t=12: 5 s after the last line
+        "jpaged: precompile: step shapes 10/10, ~0 s left",  # t=20
+    ]
+
+
+def test_count_progress_is_silent_for_a_short_wait():
+    clock, out = FakeClock(), io.StringIO()
+    p = progress.CountProgress("x", 3, stream=out, clock=clock)
+    for t in (1, 2, 3):
+        clock.now = t
+        p.update()
+    assert out.getvalue() == ""
+
+
+def test_slow_phase_says_what_it_is_doing_and_a_fast_one_nothing():
+    with Records() as log:
+        with progress.phase("loading slow", delay=0.05):
+            time.sleep(0.3)
+        with progress.phase("loading fast", delay=5):
+            pass
+    assert log.messages[0] == "loading slow ..."
+    assert log.messages[1].startswith("loading slow took ") and log.messages[1].endswith(" s")
+    assert len(log.messages) == 2
+
+
+def test_precompile_reports_its_step_shapes_on_stderr(llama_dir, capfd, monkeypatch):
+    from jpaged import LLM
+
+    monkeypatch.setattr(progress, "DELAY_S", 0.0)
+    monkeypatch.setattr(progress, "INTERVAL_S", 0.0)
+    LLM(llama_dir[0], num_kv_blocks=16, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, precompile=True)
+    lines = [line for line in capfd.readouterr().err.splitlines() if "precompile: step shapes" in line]
+    total = int(lines[-1].split("/")[1].split(",")[0])
+    assert lines[0].startswith("jpaged: precompile: step shapes 1/") and lines[-1].startswith(
+        f"jpaged: precompile: step shapes {total}/{total}, ~0 s left"), lines
+    assert len(lines) == total
+
+
+def test_kernel_choice_log_names_the_choice_once():
+    from jpaged_kernels.cpu import measure
+
+    key = "matmul [8] x [8] rows<=8"
+    measure._entries()[key] = {"cpp": True, "cpp_ms": 1.0, "xla_ms": 2.0}
+    try:
+        with Records() as log:
+            measure._log("matmul [8] x [8]", [key], "cached in")
+    finally:
+        measure._choices.pop(key)
+        measure._logged.discard(("matmul [8] x [8]", key))
+    assert log.messages[0].startswith("kernel choice for matmul [8] x [8]: rows<=8: C++ (1.000 vs 2.000 ms) "
+                                      "[C++ vs XLA time; cached in "), log.messages
