@@ -5,6 +5,8 @@ import io
 import logging
 import time
 
+import pytest
+
 from jpaged import progress
 
 
@@ -97,3 +99,56 @@ def test_kernel_choice_log_names_the_choice_once():
         measure._logged.discard(("matmul [8] x [8]", key))
     assert log.messages[0].startswith("kernel choice for matmul [8] x [8]: rows<=8: C++ (1.000 vs 2.000 ms) "
                                       "[C++ vs XLA time; cached in "), log.messages
+
+
+def test_step_plan_lists_each_step_shape_once():
+    """A step of as many rows as tokens is already decode-only: the plan held it twice on pallas."""
+    from jpaged.engine.aot import step_name
+    from jpaged.runner.buckets import StepBuckets
+    from jpaged.runner.precompile import step_plan
+
+    buckets = StepBuckets(32, 8192, 16, "pallas")
+    names = [step_name(s) for s in step_plan(buckets, max_tokens=2048, max_seqs=32, whole_step=True)]
+    assert len(names) == len(set(names)) == 200
+    assert "tokens=2 rows=2 greedy decode-only" in names and "tokens=32 rows=32 sampled decode-only" in names
+
+
+def test_aot_summary_notes_more_max_num_seqs_than_the_pool_holds():
+    from jpaged.engine.aot import EngineCompile
+
+    def result(fit):
+        return EngineCompile(target="h100", num_devices=1, hbm_bytes=1, weight_bytes=0, kv_bytes_per_block=1,
+                             num_blocks=fit * 16, kv_pool_bytes=0, max_temp_bytes=0, generated_code_bytes=0,
+                             max_batch_at_max_model_len=fit, compile_seconds=0.0, steps=[])
+
+    assert result(13).pool_note(32).startswith(
+        "\nnote: max_num_seqs=32 but only 13 sequences of max_model_len fit in the pool (208 blocks)")
+    assert result(32).pool_note(32) == ""
+
+
+@pytest.mark.slow
+def test_aot_compile_all_shapes_prints_a_total_each_shape_once_and_time_left(tmp_path):
+    """scripts/aot_compile.py --shapes=all on a tiny Llama for an H100 (about a minute)."""
+    import json
+
+    import transformers
+
+    from jpaged_kernels.aot import venv
+    from run_script import run_script
+
+    if venv.missing("cuda") is not None:
+        pytest.skip(venv.missing("cuda"))
+    fields = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=256, max_position_embeddings=2048).to_dict()
+    (tmp_path / "llama.json").write_text(json.dumps(dict(fields, architectures=["LlamaForCausalLM"])))
+    result = run_script("aot_compile.py", f"--model={tmp_path / 'llama.json'}", "--gpu=h100", "--max_num_seqs=4",
+                        "--max_num_batched_tokens=8", "--max_model_len=256", "--num_kv_blocks=40", "--shapes=all",
+                        timeout=1200)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[0] == "compiling 10 step shapes (after a probe of the largest one, which sizes the KV pool)"
+    steps = [line for line in lines if line.startswith("OK ")]
+    names = [line.split(":")[0] for line in steps]
+    assert len(steps) == 10 and len(set(names)) == 10, steps
+    assert steps[0].endswith(" s left]") and "[1/10, ~" in steps[0] and "[10/10, ~0 s left]" in steps[-1]
+    assert "note: max_num_seqs=4 but only 2 sequences of max_model_len fit in the pool (40 blocks)" in result.stdout

@@ -79,7 +79,21 @@ def step_plan(buckets: StepBuckets, *, max_tokens: int, max_seqs: int, whole_ste
         if buckets.attention_backend == "pallas" and t_pad <= buckets.max_seqs_bucket:
             plan += [dummy_step(buckets, min(t_pad, max_seqs), greedy=greedy, decode_only=True)
                      for greedy in (True, False)]
-    return plan
+    return _distinct(plan)
+
+
+def _distinct(plan: list[SchedulerOutput]) -> list[SchedulerOutput]:
+    """The plan without repeats: a step of as many rows as tokens is already decode-only, the same
+    step as the explicit decode-only one of its bucket (the engine would find it compiled; an
+    ahead-of-time compile would compile it twice)."""
+    seen, distinct = set(), []
+    for step in plan:
+        key = (tuple((len(s.token_ids), len(s.block_table), len(s.spec_token_ids or ())) for s in step.seqs),
+               tuple((r.seq_row, r.sample_index, r.spec_index) for r in step.sample_rows), step.sampling.all_greedy)
+        if key not in seen:
+            seen.add(key)
+            distinct.append(step)
+    return distinct
 
 
 def warm_up(runner: ModelRunner, *, max_tokens: int, max_seqs: int, precompile: bool,
