@@ -152,3 +152,63 @@ def test_aot_compile_all_shapes_prints_a_total_each_shape_once_and_time_left(tmp
     assert len(steps) == 10 and len(set(names)) == 10, steps
     assert steps[0].endswith(" s left]") and "[1/10, ~" in steps[0] and "[10/10, ~0 s left]" in steps[-1]
     assert "note: max_num_seqs=4 but only 2 sequences of max_model_len fit in the pool (40 blocks)" in result.stdout
+
+
+START = """
+import collections, json, sys
+from jax._src import monitoring
+events = collections.Counter()
+monitoring.register_event_listener(lambda name, **kw: events.update([name]))
+from jpaged import LLM
+LLM(sys.argv[1], num_kv_blocks=8, max_model_len=32, max_num_seqs=1, max_num_batched_tokens=4, precompile=True,
+    compilation_cache_dir=sys.argv[2])
+print("CACHE " + json.dumps({k.rsplit("/", 1)[1]: v for k, v in events.items() if "compilation_cache" in k}))
+"""
+
+
+@pytest.mark.slow
+def test_warm_second_start_compiles_nothing(llama_dir, tmp_path):
+    """Two starts in fresh processes over one (fresh) persistent compilation cache: the second loads
+    every executable from it and compiles none (about 45 s of CPU: two processes' imports and starts)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from run_script import REPO_ROOT
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")
+           and not k.startswith("JAX_PERSISTENT_CACHE")}
+    env["PYTHONPATH"] = REPO_ROOT
+
+    def start():
+        proc = subprocess.run([sys.executable, "-c", START, llama_dir[0], str(tmp_path / "jax")], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("CACHE "))[6:])
+
+    cold, warm = start(), start()
+    assert cold["tasks_using_cache"] == 1 and cold.get("cache_misses", 0) > 0, cold
+    assert warm.get("cache_misses", 0) == 0 and warm["cache_hits"] == warm["compile_requests_use_cache"] > 0, warm
+
+
+def test_cache_directory_set_by_the_application_still_keeps_short_compiles(tmp_path):
+    """With JAX_COMPILATION_CACHE_DIR set (left alone), the engine still lowers JAX's 1 s floor on
+    what the cache keeps, under which most CPU executables would compile again on every start."""
+    import os
+    import subprocess
+    import sys
+
+    from run_script import REPO_ROOT
+
+    code = ("import jax; from jpaged.engine.startup import enable_compilation_cache; "
+            "enable_compilation_cache(None); "
+            "print(jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_PERSISTENT_CACHE")}
+    env.update(PYTHONPATH=REPO_ROOT, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "app"))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [str(tmp_path / "app"), "0.05"]
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "2"  # the application's own floor stays
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == [str(tmp_path / "app"), "2.0"], out.stderr[-2000:]

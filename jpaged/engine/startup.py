@@ -72,14 +72,22 @@ def engine_config(model: str | None = None, **kwargs) -> EngineConfig:
                         scheduler=SchedulerConfig(**pick(scheduler_keys)), **pick(engine_keys))
 
 
+MIN_CACHED_COMPILE_SECONDS = 0.05  # JAX's default (1 s) would leave most CPU executables out of the cache
+JAX_DEFAULT_MIN_COMPILE_SECONDS = 1.0
+
+
 def enable_compilation_cache(path: str | None) -> None:
-    """JAX's persistent compilation cache (a process-wide JAX setting, left alone when the user set
-    it), so a second start compiles nothing."""
-    if jax.config.jax_compilation_cache_dir:
-        return
-    path = path or os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "jax")
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.05)
+    """JAX's persistent compilation cache, so a second start compiles nothing: its directory (a
+    process-wide JAX setting, left alone when the application set one, e.g. with
+    ``JAX_COMPILATION_CACHE_DIR``) and the shortest compile it keeps, unless the application set that
+    (``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``). It must be set before the process's first
+    compile: JAX decides once whether a process uses the cache."""
+    if not jax.config.jax_compilation_cache_dir:
+        path = path or os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "jax")
+        jax.config.update("jax_compilation_cache_dir", path)
+    if ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ
+            and jax.config.jax_persistent_cache_min_compile_time_secs == JAX_DEFAULT_MIN_COMPILE_SECONDS):
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_CACHED_COMPILE_SECONDS)
 
 
 def resolve_dtypes(config: EngineConfig, platform: str) -> tuple[object, object]:
