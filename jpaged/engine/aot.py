@@ -76,6 +76,16 @@ class EngineCompile:
     def ok(self) -> bool:
         return all(s.ok for s in self.steps)
 
+    def pool_note(self, max_num_seqs: int) -> str:
+        """A line for the summary when fewer sequences of max_model_len fit the pool than
+        ``max_num_seqs`` asks to run ("" when they all fit)."""
+        fit = self.max_batch_at_max_model_len
+        if fit >= max_num_seqs:
+            return ""
+        return (f"\nnote: max_num_seqs={max_num_seqs} but only {fit} sequences of max_model_len fit in the pool "
+                f"({self.num_blocks} blocks): batches of long sequences preempt; lower max_num_seqs or "
+                "max_model_len, or give the pool more (memory_utilization, num_kv_blocks)")
+
     @property
     def fits(self) -> bool:
         return self.weight_bytes + self.kv_pool_bytes + self.max_temp_bytes + self.generated_code_bytes <= self.hbm_bytes
@@ -197,10 +207,12 @@ PLANS = {"all": lambda plan: plan, "edges": edges, "largest": largest}
 
 
 def compile_engine(model_config: ModelConfig, config: EngineConfig, target: str, *, topology: str | None = None,
-                   shapes: str = "all", progress=None) -> EngineCompile:
+                   shapes: str = "all", progress=None, on_plan=None) -> EngineCompile:
     """Compiles the step shapes of ``config`` (the engine settings) for ``target``: ``shapes`` "all"
-    (the warm-up plan), "edges" (`edges`) or "largest" (`largest`). ``progress(step_compile)``
-    (optional) is called after each step."""
+    (the warm-up plan), "edges" (`edges`) or "largest" (`largest`). ``on_plan(num_steps)``
+    (optional) is called once the plan is known, before the first compile (the probe of the largest
+    step, which sizes the pool and is not reported); ``progress(step_compile)`` after each step of
+    the plan."""
     start = time.perf_counter()
     sc, cc, tp = config.scheduler, config.cache, config.tensor_parallel_size
     mesh, hbm = target_mesh(target, tp, topology)
@@ -226,7 +238,7 @@ def compile_engine(model_config: ModelConfig, config: EngineConfig, target: str,
     # the blocks one sequence of max_model_len holds (a windowed group: those its window reaches)
     per_seq = layout.max_blocks_per_seq(max_model_len, cc.block_size, sc.max_num_batched_tokens)
     with jax.set_mesh(mesh):
-        def compile_all(num_blocks, steps):
+        def compile_all(num_blocks, steps, progress=None):
             caches = abstract_caches(mc, mesh, num_tensors=layout.num_tensors, num_blocks=num_blocks,
                                      block_size=cc.block_size, kv_dtype=kv_dtype)
             fn = jit_whole_step(graphdef, mesh, [tuple(x.sharding for x in layer) for layer in caches])
@@ -238,12 +250,14 @@ def compile_engine(model_config: ModelConfig, config: EngineConfig, target: str,
                     progress(results[-1])
             return results
 
+        if on_plan is not None:
+            on_plan(len(plan))
         # the largest step with a small pool gives the temporaries; the pool gets what is left
         probe = compile_all(min(1024, sc.max_num_seqs * per_seq), [plan[-1]])[0]
         temps = probe.memory.get("temp_size_in_bytes", 0) + probe.memory.get("generated_code_size_in_bytes", 0)
         budget = int(hbm * cc.memory_utilization) - weight_bytes - temps
         num_blocks = cc.num_kv_blocks or max(0, min(budget // per_block, sc.max_num_seqs * per_seq))
-        steps = compile_all(max(num_blocks, 1), plan) if probe.ok else [probe]
+        steps = compile_all(max(num_blocks, 1), plan, progress) if probe.ok else [probe]
     done = [s for s in steps if s.ok]
     return EngineCompile(
         target=topology or target, num_devices=tp, hbm_bytes=hbm, weight_bytes=weight_bytes,

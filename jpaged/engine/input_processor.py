@@ -10,12 +10,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from jpaged.config import SchedulerConfig
-from jpaged.core.kv_cache_layout import KVCacheLayout
+from jpaged.core.kv_cache_layout import KVCacheLayout, kv_cache_layout
 from jpaged.core.request import Request
 from jpaged.sample import beam_search
 from jpaged.sample.structured_output import compile_grammar
 from jpaged.sampling_params import BeamSearchParams, SamplingParams, bad_word_token_ids
-from jpaged.utils import cdiv, check_text
+from jpaged.utils import check_text
 
 
 @dataclass
@@ -46,6 +46,41 @@ class InputProcessor:
                              f"tokens can hold (a token of this vocabulary is at most {self.max_token_chars} "
                              "characters)")
     kv_layout: KVCacheLayout | None = None  # the KV-cache groups (None: one group of global layers)
+    kv_bytes_per_block: int = 0  # a block's bytes per device (0: unknown), to say how far to raise the pool
+    max_model_len_note: str = ""  # why max_model_len is below the model's (start-up capped it), or ""
+
+    @property
+    def layout(self) -> KVCacheLayout:
+        return self.kv_layout or kv_cache_layout([None])
+
+    def blocks_per_seq(self, num_tokens: int) -> int:
+        """The blocks one sequence of ``num_tokens`` tokens holds at most (windowed groups: their
+        windows' blocks)."""
+        return self.layout.max_blocks_per_seq(num_tokens, self.block_size, self.scheduler_config.max_num_batched_tokens)
+
+    def check_pool_room(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """ValueError, naming what to change and by how much, when the request's sequences at their
+        longest (``max_tokens=None``: up to max_model_len) need more blocks than the pool has."""
+        n, max_tokens = params.n, params.max_tokens
+        max_len = min(self.max_model_len, num_prompt_tokens + (max_tokens or self.max_model_len))
+        need = n * self.blocks_per_seq(max_len)
+        if need <= self.num_blocks:
+            return
+        fits = self.layout.max_tokens_per_seq(self.num_blocks // n, self.block_size,
+                                              self.scheduler_config.max_num_batched_tokens, self.max_model_len)
+        missing = need - self.num_blocks
+        pool = f"num_kv_blocks >= {need}" + (f" (kv_cache_memory_bytes >= {need * self.kv_bytes_per_block})"
+                                             if self.kv_bytes_per_block else "")
+        asked = f"max_tokens={max_tokens}" if max_tokens is not None else \
+            f"max_tokens=None (up to max_model_len={self.max_model_len})"
+        what = (f"{asked}: this request's {n} sequence(s) of up to {max_len} tokens ({num_prompt_tokens} prompt "
+                f"tokens) may need {need} KV blocks of {self.block_size} tokens, {missing} more than the pool's "
+                f"{self.num_blocks}; ")
+        if fits > num_prompt_tokens:
+            fix = f"set max_tokens <= {fits - num_prompt_tokens}" + (", lower n" if n > 1 else "")
+        else:
+            fix = "shorten the prompt" + (" or lower n" if n > 1 else "")
+        raise ValueError(what + f"{fix}, or start the engine with {pool}")
 
     def tokenize(self, prompt) -> tuple[str | None, list[int], str | None]:
         """(text or None, token ids, cache_salt or None) of a prompt in any accepted form."""
@@ -111,15 +146,10 @@ class InputProcessor:
         if bad:
             raise ValueError(f"prompt_token_ids: {bad[:5]} outside the vocabulary [0, {vocab})")
         if n >= self.max_model_len:
-            raise ValueError(f"prompt: {n} tokens, but max_model_len={self.max_model_len} leaves no room "
+            note = f" ({self.max_model_len_note})" if self.max_model_len_note else ""
+            raise ValueError(f"prompt: {n} tokens, but max_model_len={self.max_model_len}{note} leaves no room "
                              f"to generate (the prompt must be shorter)")
-        max_len = min(self.max_model_len, n + (params.max_tokens or self.max_model_len))
-        per_seq = cdiv(max_len, self.block_size) if self.kv_layout is None else self.kv_layout.max_blocks_per_seq(
-            max_len, self.block_size, sc.max_num_batched_tokens)  # windowed groups: their windows' blocks
-        need = params.n * per_seq
-        if need > self.num_blocks:
-            raise ValueError(f"num_kv_blocks={self.num_blocks}: too small for this request, which may need "
-                             f"{need} blocks of {self.block_size} tokens ({params.n} x {max_len} tokens)")
+        self.check_pool_room(n, params)
 
     def process(self, request_id: str, prompt, params: SamplingParams | BeamSearchParams | None = None, *,
                 cache_salt: str | None = None) -> Request:

@@ -34,7 +34,8 @@ class LLMEngine:
         self.kv_cache, self.scheduler, self.runner = parts.kv_cache, parts.scheduler, parts.runner
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
                                               self.num_blocks, config.cache.block_size, config.scheduler,
-                                              parts.eos_token_ids, config.speculative_config, parts.kv_layout)
+                                              parts.eos_token_ids, config.speculative_config, parts.kv_layout,
+                                              parts.kv_bytes_per_block, parts.max_model_len_note)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.peak_kv_cache_usage = 0.0
         self.num_failed_steps = 0

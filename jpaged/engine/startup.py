@@ -10,7 +10,6 @@ runner are built and the step shapes compiled.
 """
 import dataclasses
 import os
-import time
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +28,7 @@ from jpaged.loading import presets
 from jpaged.loading.model_loader import load_model
 from jpaged.logger import logger
 from jpaged.models.attention import attention_windows
+from jpaged.progress import phase
 from jpaged.runner import kv_pool, precompile
 from jpaged.runner.buckets import StepBuckets
 from jpaged.runner.compile_counter import CompileCounter
@@ -50,6 +50,8 @@ class EngineParts:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     num_blocks: int
+    kv_bytes_per_block: int  # per device, every layer (and a draft model's) together
+    max_model_len_note: str  # why max_model_len is below the model's, or ""
     kv_layout: KVCacheLayout  # the KV-cache groups: which table and pool tensor each layer uses
     kv_cache: object         # KVCacheManager (HybridKVCacheManager for several groups), or a baseline
     scheduler: Scheduler
@@ -73,14 +75,22 @@ def engine_config(model: str | None = None, **kwargs) -> EngineConfig:
                         scheduler=SchedulerConfig(**pick(scheduler_keys)), **pick(engine_keys))
 
 
+MIN_CACHED_COMPILE_SECONDS = 0.05  # JAX's default (1 s) would leave most CPU executables out of the cache
+JAX_DEFAULT_MIN_COMPILE_SECONDS = 1.0
+
+
 def enable_compilation_cache(path: str | None) -> None:
-    """JAX's persistent compilation cache (a process-wide JAX setting, left alone when the user set
-    it), so a second start compiles nothing."""
-    if jax.config.jax_compilation_cache_dir:
-        return
-    path = path or os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "jax")
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.05)
+    """JAX's persistent compilation cache, so a second start compiles nothing: its directory (a
+    process-wide JAX setting, left alone when the application set one, e.g. with
+    ``JAX_COMPILATION_CACHE_DIR``) and the shortest compile it keeps, unless the application set that
+    (``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``). It must be set before the process's first
+    compile: JAX decides once whether a process uses the cache."""
+    if not jax.config.jax_compilation_cache_dir:
+        path = path or os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "jax")
+        jax.config.update("jax_compilation_cache_dir", path)
+    if ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ
+            and jax.config.jax_persistent_cache_min_compile_time_secs == JAX_DEFAULT_MIN_COMPILE_SECONDS):
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_CACHED_COMPILE_SECONDS)
 
 
 def resolve_dtypes(config: EngineConfig, platform: str) -> tuple[object, object]:
@@ -122,8 +132,10 @@ def load(config: EngineConfig, model, tokenizer, *, dtype, backend: str, mesh):
     if path is None:
         from jpaged.loading.gguf_loader import default_model_path
         path = default_model_path()
-    model, _, tokenizer = load_model(path, dtype=dtype, mesh=mesh, attention_backend=backend,
-                                     quantization=config.quantization, expert_parallel=config.enable_expert_parallel)
+    with phase(f"loading {path}"):
+        model, _, tokenizer = load_model(path, dtype=dtype, mesh=mesh, attention_backend=backend,
+                                         quantization=config.quantization,
+                                         expert_parallel=config.enable_expert_parallel)
     release_free_host_memory()
     return model, tokenizer
 
@@ -152,6 +164,35 @@ def num_kv_blocks(config: EngineConfig, mesh, per_block: int, max_model_len: int
     if n < 1:
         raise ValueError(f"kv_cache_memory_bytes={budget}: too small for one KV block of {per_block} bytes")
     return int(n), source
+
+
+def fit_max_model_len(config: EngineConfig, max_model_len: int, num_blocks: int, source: str, per_block: int,
+                      layout: KVCacheLayout) -> tuple[int, str]:
+    """(max_model_len, why it is below the model's or "") so that one sequence of max_model_len fits the
+    pool. Unset by the user: the model's, capped to what the pool holds (logged once). Set larger
+    than a pool sized from a byte budget holds: ValueError naming both numbers (as vLLM does at start).
+    A pool the user sized with ``num_kv_blocks`` is taken as given: a request longer than it is
+    refused on its own (tests and benchmarks run tight pools on purpose)."""
+    cc, sc = config.cache, config.scheduler
+    fits = layout.max_tokens_per_seq(num_blocks, cc.block_size, sc.max_num_batched_tokens, max_model_len)
+    if fits >= max_model_len:
+        return max_model_len, ""
+    pool = f"the KV pool holds {num_blocks} blocks of {cc.block_size} tokens"
+    if fits < 2:
+        raise ValueError(f"num_kv_blocks={num_blocks}: too small for one sequence of 2 tokens ({source}); "
+                         f"{pool} and a sequence needs {layout.max_blocks_per_seq(2, cc.block_size, 1)}")
+    if sc.max_model_len is None:
+        logger.info("max_model_len capped from %d to %d: %s; set kv_cache_memory_bytes/num_kv_blocks to raise it",
+                    max_model_len, fits, pool)
+        return fits, (f"capped from the model's {max_model_len} because {pool}; "
+                      "set num_kv_blocks/kv_cache_memory_bytes to raise it")
+    if cc.num_kv_blocks is None:
+        need = layout.max_blocks_per_seq(max_model_len, cc.block_size, sc.max_num_batched_tokens)
+        raise ValueError(f"max_model_len={max_model_len}: one sequence of it needs {need} KV blocks of "
+                         f"{cc.block_size} tokens ({need * per_block} bytes), but the pool ({source}) holds "
+                         f"{num_blocks} ({num_blocks * per_block} bytes); lower max_model_len to <= {fits} or "
+                         f"set kv_cache_memory_bytes >= {need * per_block} (or num_kv_blocks >= {need})")
+    return max_model_len, ""
 
 
 def kv_cache_manager(config: EngineConfig, num_blocks: int, max_model_len: int, layout: KVCacheLayout | None = None):
@@ -225,6 +266,8 @@ def build(config: EngineConfig, model=None, tokenizer=None, devices=None) -> Eng
                     for c, n in [(mc, layout.num_tensors)] + ([(draft.config, draft.config.num_layers)]
                                                               if draft is not None else []))  # a draft's pool: same blocks
     num_blocks, source = num_kv_blocks(config, mesh, per_block, max_model_len, layout)
+    max_model_len, max_model_len_note = fit_max_model_len(config, max_model_len, num_blocks, source, per_block,
+                                                          layout)
     kv_name = jnp.dtype(kv_dtype).name
     if jpaged_kernels.quant.is_quantized(kv_dtype):
         kv_name += f" + {jnp.dtype(jpaged_kernels.SCALE_DTYPE).name} scales"
@@ -264,10 +307,10 @@ def build(config: EngineConfig, model=None, tokenizer=None, devices=None) -> Eng
     runner = ModelRunner(model, pool, buckets, mesh=mesh, dtype=dtype, max_decode_window=sc.num_scheduler_steps,
                          whole_step=mesh.devices.flat[0].platform in ("tpu", "gpu"), drafter=drafter,
                          kv_layout=layout, kv_offload=offload)
-    start = time.perf_counter()
-    precompile.warm_up(runner, max_tokens=sc.max_num_batched_tokens, max_seqs=sc.max_num_seqs,
-                       precompile=config.precompile, decode_windows=sc.num_scheduler_steps > 1)
-    logger.debug("warm-up took %.1f s", time.perf_counter() - start)
+    with phase("warm-up (compiling the step shapes)"):
+        precompile.warm_up(runner, max_tokens=sc.max_num_batched_tokens, max_seqs=sc.max_num_seqs,
+                           precompile=config.precompile, decode_windows=sc.num_scheduler_steps > 1)
     return EngineParts(mesh=mesh, dtype=dtype, kv_cache_dtype=kv_dtype, attention_backend=backend, model_config=mc,
                        tokenizer=tokenizer, max_model_len=max_model_len, eos_token_ids=eos, num_blocks=num_blocks,
+                       kv_bytes_per_block=per_block, max_model_len_note=max_model_len_note,
                        kv_layout=layout, kv_cache=kv_cache, scheduler=scheduler, runner=runner)

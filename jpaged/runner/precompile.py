@@ -15,6 +15,7 @@ import time
 
 from jpaged.core.scheduler_output import SampleRow, ScheduledSeq, SchedulerOutput
 from jpaged.logger import logger
+from jpaged.progress import CountProgress
 from jpaged.runner.buckets import StepBuckets
 from jpaged.runner.model_runner import ModelRunner, plain_sampling
 from jpaged.utils import cdiv
@@ -78,7 +79,21 @@ def step_plan(buckets: StepBuckets, *, max_tokens: int, max_seqs: int, whole_ste
         if buckets.attention_backend == "pallas" and t_pad <= buckets.max_seqs_bucket:
             plan += [dummy_step(buckets, min(t_pad, max_seqs), greedy=greedy, decode_only=True)
                      for greedy in (True, False)]
-    return plan
+    return _distinct(plan)
+
+
+def _distinct(plan: list[SchedulerOutput]) -> list[SchedulerOutput]:
+    """The plan without repeats: a step of as many rows as tokens is already decode-only, the same
+    step as the explicit decode-only one of its bucket (the engine would find it compiled; an
+    ahead-of-time compile would compile it twice)."""
+    seen, distinct = set(), []
+    for step in plan:
+        key = (tuple((len(s.token_ids), len(s.block_table), len(s.spec_token_ids or ())) for s in step.seqs),
+               tuple((r.seq_row, r.sample_index, r.spec_index) for r in step.sample_rows), step.sampling.all_greedy)
+        if key not in seen:
+            seen.add(key)
+            distinct.append(step)
+    return distinct
 
 
 def warm_up(runner: ModelRunner, *, max_tokens: int, max_seqs: int, precompile: bool,
@@ -87,11 +102,23 @@ def warm_up(runner: ModelRunner, *, max_tokens: int, max_seqs: int, precompile: 
     ``max_tokens`` tokens and ``max_seqs`` sequences can have (and, with ``decode_windows``, the
     decode window of every decode batch)."""
     start = time.perf_counter()
-    for step in step_plan(runner.buckets, max_tokens=max_tokens, max_seqs=max_seqs,
-                          whole_step=runner.pieces is None, precompile=precompile):
-        runner.execute(step)
+    plan = step_plan(runner.buckets, max_tokens=max_tokens, max_seqs=max_seqs, whole_step=runner.pieces is None,
+                     precompile=precompile)
+    # the heads (CPU layer pieces) and the decode windows count as one unit each
+    extra = int(precompile and runner.pieces is not None) + int(precompile and decode_windows)
+    progress = CountProgress("precompile: step shapes", len(plan) + extra)
+    try:
+        for step in plan:
+            runner.execute(step)
+            progress.update()
+        if precompile:
+            if runner.pieces is not None:
+                runner.compile_heads(max_tokens, min(max_tokens, runner.buckets.max_num_rows))
+                progress.update()
+            if decode_windows:
+                runner.compile_decode_windows(max_seqs)
+                progress.update()
+    finally:
+        progress.close()
     if precompile:
-        runner.compile_heads(max_tokens, min(max_tokens, runner.buckets.max_num_rows))
-        if decode_windows:
-            runner.compile_decode_windows(max_seqs)
         logger.info("precompiled %d step shapes in %.1f s", runner.num_compilations, time.perf_counter() - start)

@@ -115,7 +115,7 @@ def _log(group: str, keys: list, source: str) -> None:
         e = _choices[k]
         times = "" if e["cpp_ms"] is None else f" ({e['cpp_ms']:.3f} vs {e['xla_ms']:.3f} ms)"
         parts.append(f"{k[len(group):].strip() or 'all'}: {'C++' if e['cpp'] else 'XLA'}{times}")
-    logger.info("jpaged C++ CPU kernel or XLA, %s: %s [C++ vs XLA; %s %s]", group, ", ".join(parts), source,
+    logger.info("kernel choice for %s: %s [C++ vs XLA time; %s %s]", group, ", ".join(parts), source,
                 _loaded[0])
 
 
