@@ -63,6 +63,9 @@ class WeightTargets:
         self.paths = [key_path_names(kp) for kp, _ in flat]
         self.specs = {p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for p, (_, x) in
                       zip(self.paths, flat)}
+        # a leaf left on the default device (not committed, e.g. a rotary table) is put back so:
+        # jit keys on it, and a committed copy would compile its callers again
+        self.uncommitted = {p for p, (_, x) in zip(self.paths, flat) if not getattr(x, "committed", True)}
         self.param_paths = {key_path_names(kp) for kp, _ in
                             jax.tree_util.tree_flatten_with_path(nnx.state(nnx.merge(graphdef, state), nnx.Param))[0]}
         model = nnx.merge(graphdef, state)
@@ -82,6 +85,8 @@ class WeightTargets:
             array = np.asarray(array)
         if array.dtype != spec.dtype:
             array = array.astype(spec.dtype)
+        if path in self.uncommitted:
+            return jax.device_put(array)
         if isinstance(array, jax.Array) and array.sharding.is_equivalent_to(spec.sharding, array.ndim):
             return array
         return jax.device_put(array, spec.sharding)
