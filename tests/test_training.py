@@ -220,3 +220,22 @@ def test_score_rejects_bad_input(llm):
             llm.score(*args)
     m = llm.get_metrics()
     assert m["num_free_blocks"] == m["num_total_blocks"]
+
+
+def test_processed_logprobs_are_of_the_sampled_distribution(llama_dir):
+    """``logprobs_mode="processed"`` (vLLM's ``processed_logprobs`` too): temperature and top-k applied."""
+    import torch
+
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        LLM(llama_dir[0], logprobs_mode="scaled", **ENGINE)
+    llm = LLM(llama_dir[0], logprobs_mode="processed", **ENGINE)
+    assert llm.llm_engine.config.logprobs_mode == "processed_logprobs"
+    prompt = random_prompts(np.random.default_rng(4), [12])[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0.5, top_k=5, seed=1, max_tokens=6, logprobs=0,
+                                                ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    with torch.no_grad():
+        logits = llama_dir[1](torch.tensor([prompt + out.token_ids])).logits[0].float() / 0.5
+    for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        row = logits[len(prompt) - 1 + i]
+        row = torch.where(row < torch.topk(row, 5).values[-1], -torch.inf, row)
+        assert entry[token] == pytest.approx(torch.log_softmax(row, -1)[token].item(), abs=1e-5)

@@ -75,12 +75,15 @@ class ModelRunner:
     """Owns the device side: parameters, the KV pool, and the jitted functions that use them."""
 
     def __init__(self, model, kv_pool: KVPool, buckets: StepBuckets, *, mesh, dtype, max_decode_window: int = 1,
-                 whole_step: bool = False, drafter=None, kv_layout: KVCacheLayout | None = None):
+                 whole_step: bool = False, drafter=None, kv_layout: KVCacheLayout | None = None,
+                 processed_logprobs: bool = False):
         """``dtype``: the model's activations. ``whole_step``: one jitted function per step
         (accelerators), else layer pieces where the model has them. ``max_decode_window``: the most
         decode steps one window runs. ``drafter``: a `DraftModelProposer` (speculative decoding
         with a draft model), run after each step. ``kv_layout``: the KV-cache groups (default: one
-        group, a pool tensor per layer)."""
+        group, a pool tensor per layer). ``processed_logprobs``: logprobs of the distribution sampled
+        from (``logprobs_mode="processed_logprobs"``), else the model's."""
+        self.processed_logprobs = processed_logprobs
         self.config, self.dtype = model.config, dtype
         self.drafter = drafter
         self.kv_pool, self.buckets, self.mesh = kv_pool, buckets, mesh
@@ -188,7 +191,7 @@ class ModelRunner:
                                      seq_lens=inputs.seq_lens, block_tables=inputs.block_tables,
                                      num_seqs=inputs.num_seqs, group_slot_mappings=inputs.group_slot_mappings,
                                      group_block_tables=inputs.group_block_tables, kv_layout=self._md_layout)
-        sampling = sampling_tensors(out.sampling, inputs.num_rows)
+        sampling = sampling_tensors(out.sampling, inputs.num_rows, self.processed_logprobs)
         n = len(out.sample_rows)
         prepared = time.perf_counter()
         with jax.set_mesh(self.mesh):
@@ -284,7 +287,8 @@ class ModelRunner:
                                               num_fixed=1)
                 for batch in plain_sampling(r_pad):
                     jax.block_until_ready(self.counter.call("sample", self._sample, logits,
-                                                            sampling_tensors(batch, r_pad)))
+                                                            sampling_tensors(batch, r_pad,
+                                                                             self.processed_logprobs)))
 
     def compile_decode_windows(self, max_seqs: int) -> None:
         """Compiles the decode window of every decode-only batch shape (greedy, and sampled without
@@ -302,7 +306,8 @@ class ModelRunner:
                 with jax.set_mesh(self.mesh):
                     _, self.kv_pool.caches = self.counter.call(
                         "window", self._window, self._params(), self.kv_pool.caches, np.zeros(t_pad, np.int32), md,
-                        np.zeros(rows, np.int32), sampling_tensors(batch, rows), np.zeros(rows, np.int32),
+                        np.zeros(rows, np.int32), sampling_tensors(batch, rows, self.processed_logprobs),
+                        np.zeros(rows, np.int32),
                         np.int32(0), num_fixed=2)
 
 
