@@ -239,3 +239,85 @@ def test_processed_logprobs_are_of_the_sampled_distribution(llama_dir):
         row = logits[len(prompt) - 1 + i]
         row = torch.where(row < torch.topk(row, 5).values[-1], -torch.inf, row)
         assert entry[token] == pytest.approx(torch.log_softmax(row, -1)[token].item(), abs=1e-5)
+
+
+# The async engine and the server ----------------------------------------------------------------------
+def post(url, path, body=None, key="sk-train"):
+    request = urllib.request.Request(url + path, data=json.dumps(body or {}).encode(), method="POST",
+                                     headers={"Content-Type": "application/json",
+                                              **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    from test_server import start_server
+
+    from jpaged.engine.async_engine import AsyncLLMEngine
+    from jpaged.entrypoints.openai_server import create_app
+
+    engine = AsyncLLMEngine(llm.llm_engine)
+    apps = {flag: create_app(engine, served_model_name="tiny", api_key="sk-train", enable_weight_updates=flag)
+            for flag in (True, False)}
+    servers = {flag: start_server(app) for flag, app in apps.items()}
+    yield engine, servers[True][2], servers[False][2]
+    for s, thread, _ in servers.values():
+        s.should_exit = True
+        thread.join(30)
+
+
+def test_pause_waits_or_aborts_and_resume_goes_on(server):
+    import asyncio
+
+    engine = server[0]
+
+    async def scenario():
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        stream = await engine.add("long", PROMPT, params)
+        await engine.pause_generation()
+        assert engine.is_paused
+        with pytest.raises(RuntimeError, match="in flight"):
+            await engine.sleep()
+        frozen = engine.engine.requests["long"].seqs[0].num_tokens
+        await asyncio.sleep(0.3)
+        assert engine.engine.requests["long"].seqs[0].num_tokens == frozen  # waits
+        await engine.resume_generation()
+        last = None
+        async for last in stream:
+            pass
+        assert last.outputs[0].finish_reason == "length" and len(last.outputs[0].token_ids) == 200
+        stream = await engine.add("aborted", PROMPT, params)
+        await engine.pause_generation(abort=True)
+        async for last in stream:
+            pass
+        assert last.outputs[0].finish_reason == "abort"
+        await engine.resume_generation()
+
+    asyncio.run(scenario())
+    m = engine.engine.get_metrics()
+    assert m["num_free_blocks"] == m["num_total_blocks"]
+
+
+def test_server_training_routes(server, llama_dir, second_llama):
+    engine, url, url_without_updates = server
+    assert post(url, "/pause", key=None)[0] == 401
+    status, body = post(url_without_updates, "/update_weights", {"path": second_llama[0]})
+    assert status == 403 and "--enable_weight_updates" in body["error"]["message"]
+    assert post(url, "/update_weights", {"path": "/nonexistent"})[0] == 400
+    assert post(url, "/update_weights", {"weights": 1})[0] == 400
+    assert post(url, "/sleep?level=3")[0] == 400
+    assert post(url, "/update_weights", {"path": second_llama[0]}) == (200, {"status": "ok"})
+    assert post(url, "/sleep?level=1")[0] == 200
+    status, body = post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
+    assert status == 503 and "asleep" in body["error"]["message"]
+    assert post(url, "/wake_up")[0] == 200
+    status, body = post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                                                 "ignore_eos": True})
+    assert status == 200 and body["choices"][0]["text"] is not None
+    assert post(url, "/pause")[0] == 200 and engine.is_paused
+    assert post(url, "/resume")[0] == 200 and not engine.is_paused
+    assert post(url, "/update_weights", {"path": llama_dir[0]})[0] == 200

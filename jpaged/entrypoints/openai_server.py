@@ -233,6 +233,8 @@ class OpenAIServing:
         if self.draining or not self.engine.is_running:
             raise APIError(503, "the server is shutting down; retry on another replica", type="server_error",
                            code="shutting_down")
+        if self.engine.engine.sleep_level:  # a training loop put it to sleep (POST /sleep)
+            raise APIError(503, "the engine is asleep: POST /wake_up first", type="server_error", code="sleeping")
 
     def failure(self, choice, structured_param: str) -> APIError | None:
         """The error a failed choice (finish_reason "error") is: a 400 naming the constraint when its
