@@ -6,7 +6,8 @@ that the compiled step was built for. `new_leaves` turns new weights, given as
 * an ``nnx.State`` (or any pytree with the same key paths) of the engine's own model,
 * a flat ``{hf_parameter_name: array}`` mapping (the names of the architecture's Hugging Face
   checkpoints, through the model's ``hf_weight_map``, as the loader reads them), or
-* a path: a Hugging Face directory, a ``.safetensors`` file or a jpaged orbax checkpoint,
+* a path: a Hugging Face directory, a ``.safetensors`` file or a jpaged orbax checkpoint (its
+  tensors read as the loader reads them: names outside the model's map are skipped),
 
 into arrays of exactly those shapes, dtypes and shardings: each one cast and ``jax.device_put``
 onto the engine's sharding (device to device for a ``jax.Array`` on another mesh; an array already
@@ -107,11 +108,13 @@ class WeightTargets:
                                  f"{tuple(self.specs[path].shape)}")
         return {path: self.place(path, x, _name(path)) for path, x in flat.items()}
 
-    def from_hf(self, named: dict) -> dict:
-        """{path: placed array} from ``{hf_parameter_name: array}`` (every name of the model's map)."""
+    def from_hf(self, named: dict, ignore_unknown: bool = False) -> dict:
+        """{path: placed array} from ``{hf_parameter_name: array}`` (every name of the model's map).
+        ``ignore_unknown``: names outside the map are skipped, as the loader skips them in a
+        checkpoint file (a tied ``lm_head.weight``, an old ``rotary_emb.inv_freq``)."""
         by_name = {self.canonical(str(name)): x for name, x in named.items()}
         extra = sorted(n for n in by_name if n not in self.hf_map)
-        if extra:
+        if extra and not ignore_unknown:
             raise ValueError(f"weights: unknown parameter name(s) {extra[:5]} (not a weight of this architecture)")
         missing = sorted(n for n in self.hf_map if n not in by_name)
         if missing:
@@ -152,7 +155,7 @@ class WeightTargets:
     def new_leaves(self, weights) -> dict:
         """{path: placed array} of the parameters ``weights`` gives (any of the three forms)."""
         if isinstance(weights, (str, os.PathLike)):
-            return self.from_hf(read_named_weights(os.fspath(weights)))
+            return self.from_hf(read_named_weights(os.fspath(weights)), ignore_unknown=True)
         if isinstance(weights, nnx.State):
             return self.from_state(weights)
         if isinstance(weights, dict) and weights and all(isinstance(k, str) for k in weights) and \

@@ -14,6 +14,7 @@ whose layers attend with different windows, fewer tensors that layers of differe
 each layer reads its group's block table and slot mapping and its tensor (`kv_layout`).
 """
 import functools
+import gc
 import time
 
 import jax
@@ -164,6 +165,7 @@ class ModelRunner:
             self.pieces.shell_state, self.pieces.layer_leaves = None, None
         for pool in self.kv_pools:
             pool.caches, pool.host = None, None
+        gc.collect()  # buffers held only by reference cycles (NNX modules) are freed now, not later
 
     def wake_up(self) -> None:
         """Puts the parameters back on their shardings and makes new (empty) KV pools."""
