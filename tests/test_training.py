@@ -325,3 +325,18 @@ def test_server_training_routes(server, llama_dir, second_llama):
     assert post(url, "/pause")[0] == 200 and engine.is_paused
     assert post(url, "/resume")[0] == 200 and not engine.is_paused
     assert post(url, "/update_weights", {"path": llama_dir[0]})[0] == 200
+
+
+@pytest.mark.slow
+def test_data_parallel_replicas_all_update_and_sleep(llama_dir, second_llama):
+    llm = LLM(llama_dir[0], data_parallel_size=2, **ENGINE)
+    llm.update_weights(second_llama[0])
+    prompts = [PROMPT, PROMPT[:20]]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(second_llama[1], p, 8)[0] for p in prompts]
+    llm.sleep(1)
+    with pytest.raises(RuntimeError, match="asleep"):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    llm.wake_up()
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in outs]

@@ -182,7 +182,8 @@ class LLMEngine:
         if self.sleep_level:
             raise RuntimeError(f"the engine is asleep (sleep(level={self.sleep_level})): call wake_up() first")
 
-    def _check_no_requests(self, what: str, allow_paused: bool) -> None:
+    def check_idle(self, what: str, allow_paused: bool) -> None:
+        """RuntimeError naming ``what`` while requests are in flight (unless paused and ``allow_paused``)."""
         if self.has_unfinished_requests() and not (allow_paused and self.paused):
             raise RuntimeError(f"{what}: {len(self.requests)} request(s) in flight; let them finish or abort them "
                                "first" + (" (or pause generation)" if allow_paused else ""))
@@ -193,7 +194,7 @@ class LLMEngine:
         dtypes and shardings, so nothing compiles. Refused while requests are in flight, unless the
         engine is paused (then they go on with the new weights). Every prefix-cache entry of the
         old weights is invalid at once. A mismatch is a ValueError and the old weights keep serving."""
-        self._check_no_requests("update_weights", allow_paused=True)
+        self.check_idle("update_weights", allow_paused=True)
         if self.config.quantization == "gguf":
             raise ValueError("update_weights: quantization='gguf' keeps a GGUF file's blocks, which new float "
                              "weights cannot become; build a new LLM (quantization=None or 'int8' re-quantize)")
@@ -209,7 +210,7 @@ class LLMEngine:
         if level not in (1, 2):
             raise ValueError(f"level={level!r}: must be 1 or 2")
         self._check_awake()
-        self._check_no_requests("sleep", allow_paused=False)
+        self.check_idle("sleep", allow_paused=False)
         if hasattr(self.kv_cache.pool, "forget_free_blocks"):  # the pool's contents are about to go
             self.kv_cache.pool.forget_free_blocks()
         self.runner.sleep(level)
