@@ -34,6 +34,7 @@ with ``scales`` / ``mins`` ``[in / 32, out]`` split on ``out`` (column) or on wh
 ``in`` (row; the token table on its hidden blocks). A scale of any other shape has no place in
 the layout: a ValueError.
 """
+import functools
 import re
 
 import jax
@@ -167,9 +168,15 @@ def kv_pool_sharding(mesh: Mesh, ndim: int = 4) -> NamedSharding:
     return NamedSharding(mesh, P(MODEL_AXIS, *[None] * (ndim - 1)))
 
 
+@functools.lru_cache(maxsize=None)
+def _zeros_fn(shape: tuple, dtype, sharding: NamedSharding):
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
 def zeros_sharded(shape, dtype, sharding: NamedSharding) -> jax.Array:
-    """A zero array created directly in its shards (no full copy on one device)."""
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+    """A zero array created directly in its shards (no full copy on one device); one compiled
+    function per (shape, dtype, sharding), so a pool made again (`KVPool.reset`) compiles nothing."""
+    return _zeros_fn(tuple(shape), jnp.dtype(dtype), sharding)()
 
 
 def model_axis_size() -> int:

@@ -21,6 +21,7 @@ Prefix-cache tiers (``offload``, a `jpaged.core.kv_offload.KVOffload` set on the
 that misses in the pool asks the tiers by the same keys; their hits are loaded into free device
 blocks before admission takes them (`KVOffload.materialize`), so they count as cached tokens.
 """
+import os
 from collections import Counter
 from typing import Protocol
 
@@ -28,6 +29,8 @@ from jpaged.core.block_pool import BlockPool
 from jpaged.core.kv_offload import TierBlock
 from jpaged.core.request import Sequence
 from jpaged.utils import cdiv
+
+_PROCESS_NONCE = os.urandom(8).hex()  # names the disk-tier entries of weights updated in this process
 
 NULL_BLOCK = -1  # a table entry a window has released (the runner sends block 0, never read)
 
@@ -46,6 +49,8 @@ class KVCache(Protocol):
     def group_block_tables(self, seq: Sequence) -> list[list[int]]: ...
 
     def find_cached_prefix(self, seqs: list[Sequence], cache_salt: str | None) -> list: ...
+
+    def set_weights_version(self, version: int) -> None: ...
 
     def allocate_slots(self, seqs: list[Sequence], num_new_tokens: int,
                        cached_blocks: list | None = None,
@@ -83,6 +88,7 @@ class KVCacheManager:
         self.pending_copies: list[tuple[int, int]] = []  # (src block, dst block)
         self.prefix_cache_queries = 0  # prompt tokens of admitted sequences
         self.prefix_cache_hits = 0     # of those, tokens found in the cache
+        self.weights_version = 0       # in every block's key: a cached block never outlives its weights
 
     def block_table(self, seq: Sequence) -> list[int]:
         return self.block_tables.get(seq.seq_id, [])
@@ -269,11 +275,27 @@ class KVCacheManager:
         return copies
 
     # Prefix caching -------------------------------------------------------------------------------
+    def set_weights_version(self, version: int) -> None:
+        """New weights: blocks computed with the old ones never match again (the version is part
+        of every key), and the free ones are forgotten now."""
+        self.weights_version = version
+        self.pool.forget_free_blocks()
+
+    def _extra_keys(self) -> tuple:
+        """What, besides the tokens, a block's contents depend on engine-wide (the weights' version);
+        part of the root of every hash chain, with the request's ``cache_salt``."""
+        return ("weights_version", self.weights_version) if self.weights_version else ()
+
     def _root_hash(self, cache_salt: str | None) -> int | None:
         root = None if cache_salt is None else hash(("salt", cache_salt))
+        extra = self._extra_keys()
+        if extra:
+            root = hash((root, extra))
         root = root if self.group == 0 else hash(("kv_cache_group", self.group, root))
         if self.pool.offload is not None:  # what the root was hashed from, for the disk tier's ids
-            self.pool.offload.name_root(root, (cache_salt, self.group))
+            # updated weights are this process's own: their disk entries must never match another's
+            weights = (extra, _PROCESS_NONCE) if extra else ()
+            self.pool.offload.name_root(root, (cache_salt, self.group, *weights))
         return root
 
     def _hash_chain(self, seq: Sequence, cache_salt: str | None, num_blocks: int) -> list[int]:

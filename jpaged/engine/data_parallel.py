@@ -96,6 +96,35 @@ class DataParallelEngine:
                 self.placement.pop(out.request_id, None)
         return outputs
 
+    # Training loops: every replica alike ------------------------------------------------------------
+    @property
+    def paused(self) -> bool:
+        return self.replicas[0].paused
+
+    @paused.setter
+    def paused(self, value: bool) -> None:
+        for engine in self.replicas:
+            engine.paused = value
+
+    @property
+    def sleep_level(self) -> int:
+        return self.replicas[0].sleep_level
+
+    def update_weights(self, weights) -> None:
+        """`LLMEngine.update_weights` on every replica (a mismatch raises at the first, before any change)."""
+        for engine in self.replicas:
+            engine.update_weights(weights)
+
+    def sleep(self, level: int = 1) -> None:
+        for engine in self.replicas:
+            engine.check_idle("sleep", allow_paused=False)
+        for engine in self.replicas:
+            engine.sleep(level)
+
+    def wake_up(self) -> None:
+        for engine in self.replicas:
+            engine.wake_up()
+
     def get_metrics(self) -> dict:
         """Counts summed over replicas, usages averaged; per-replica metrics under ``replicas``."""
         per = [e.get_metrics() for e in self.replicas]

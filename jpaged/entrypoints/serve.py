@@ -39,6 +39,8 @@ flags.DEFINE_integer("max_request_body_bytes", 8 * 2**20, "Request bodies larger
 flags.DEFINE_list("allowed_origins", None, "Web origins whose pages may call the API from a browser "
                   "(comma-separated, e.g. https://app.example,http://localhost:3000, or *): their CORS preflights "
                   "are answered; default: none")
+flags.DEFINE_bool("enable_weight_updates", False, "Serve POST /update_weights (new weights from a path on "
+                  "this machine's disk; behind --api_key); off: 403")
 flags.DEFINE_enum("log_level", "info", ["critical", "error", "warning", "info", "debug"], "uvicorn log level")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -59,7 +61,8 @@ def build_app():
             chat_template = f.read()
     name = F.served_model_name or (model.rstrip("/") if model else DEFAULT_MODEL_NAME)
     return create_app(async_engine, served_model_name=name, api_key=F.api_key or None, chat_template=chat_template,
-                      max_body_bytes=F.max_request_body_bytes, allowed_origins=allowed_origins)
+                      max_body_bytes=F.max_request_body_bytes, allowed_origins=allowed_origins,
+                      enable_weight_updates=F.enable_weight_updates)
 
 
 def ready_line(app, url: str) -> str:
