@@ -118,3 +118,15 @@ def assert_greedy_parity(name, hf_model, llm, prompts, max_tokens: int = 24):
     metrics = llm.get_metrics()
     assert metrics["num_free_blocks"] == metrics["num_total_blocks"], "blocks leaked"
     return metrics
+
+
+@pytest.fixture
+def jpaged_caplog(caplog):
+    """``caplog`` that also sees the "jpaged" logger, which stops propagating once an engine has
+    configured it (``jpaged/logger.py``)."""
+    import logging
+    logger = logging.getLogger("jpaged")
+    logger.addHandler(caplog.handler)
+    caplog.set_level(logging.INFO, logger="jpaged")
+    yield caplog
+    logger.removeHandler(caplog.handler)

@@ -77,7 +77,7 @@ def test_bad_files_are_misses_never_hits(tmp_path):
         assert name.ljust(32, "0") not in restarted  # dropped: the next lookup misses at once
 
 
-def test_a_full_disk_is_a_logged_miss(tmp_path, monkeypatch, caplog):
+def test_a_full_disk_is_a_logged_miss(tmp_path, monkeypatch, jpaged_caplog):
     disk = DiskTier(str(tmp_path), "ns", capacity_bytes=1 << 20)
 
     def no_space(*args, **kwargs):
@@ -87,7 +87,7 @@ def test_a_full_disk_is_a_logged_miss(tmp_path, monkeypatch, caplog):
     assert disk.put("z" * 32, (np.zeros(4, np.float32),)) == 0
     monkeypatch.undo()
     assert "z" * 32 not in disk and not os.listdir(disk.directory)
-    assert "No space left" in caplog.text
+    assert "No space left" in jpaged_caplog.text
     assert DiskTier(str(tmp_path), "ns", capacity_bytes=10).put("w" * 32, (np.zeros(64, np.float32),)) == 0
 
 
