@@ -154,6 +154,8 @@ class JpagedRollout(base_rollout.BaseRollout):
         ``engine_kwargs`` shards over them). ``max_model_len`` defaults to
         ``rollout_config.kv_cache_size``. ``engine_kwargs``: other ``LLM(...)`` settings."""
         self._actor, self._tokenizer, self._mesh = rollout_actor, tokenizer, mesh
+        graphdef, state = nnx.split(rollout_actor)
+        self._abstract_actor = nnx.merge(graphdef, jax.eval_shape(lambda: state))
         engine_kwargs.setdefault("max_model_len", rollout_config.kv_cache_size)
         self._engine_kwargs = dict(engine_kwargs, memory_utilization=memory_utilization)
         self._config = jpaged_config(rollout_actor, engine_kwargs["max_model_len"])
@@ -249,8 +251,11 @@ class JpagedRollout(base_rollout.BaseRollout):
         return self._tokenizer.eos_id()
 
     def model(self):
-        """The Tunix model the rollout was built from (the trainer's, when colocated)."""
-        return self._actor
+        """The rollout model as Tunix sees it: the trainer's architecture with abstract
+        parameters (``jax.ShapeDtypeStruct``; the weights live in the engine), so Tunix's learner
+        finds that it shares none with the trainer and syncs weights after each global step.
+        Tunix's ``offload_to_cpu`` (which moves this model's arrays) is not supported."""
+        return self._abstract_actor
 
     # --- helpers -------------------------------------------------------------------------------
 
