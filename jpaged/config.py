@@ -7,6 +7,8 @@ import numpy as np
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}  # by EngineConfig.dtype name
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # CacheConfig.kv_cache_dtype; 8-bit: jpaged_kernels/quant.py
 QUANTIZATIONS = ("int8", "gguf")  # EngineConfig.quantization values besides None
+LOGPROBS_MODES = {"raw_logprobs": "raw_logprobs", "processed_logprobs": "processed_logprobs",  # vLLM's names
+                  "raw": "raw_logprobs", "processed": "processed_logprobs"}                  # and the short ones
 
 
 def check_quantization(quantization, model) -> None:
@@ -127,6 +129,11 @@ class EngineConfig:
     speculative_config: object = None  # a SpeculativeConfig, its dict or JSON text (docs/speculative.md)
     enable_expert_parallel: bool = False  # mixture-of-experts models: whole experts per device over the
                                           # tensor_parallel_size devices (else each expert split like an MLP)
+    logprobs_mode: str = field(default="raw_logprobs", metadata={
+        "help": "What SamplingParams(logprobs=k) reports: 'raw_logprobs' (or 'raw'), the model's log-softmax; "
+                "'processed_logprobs' (or 'processed'), the distribution each token was sampled from (after "
+                "logit bias, masks, penalties, temperature, top-k/top-p/min-p)",
+        "choices": tuple(LOGPROBS_MODES)})
 
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -149,6 +156,9 @@ class EngineConfig:
             if self.cache.allocator != "paged":
                 raise ValueError(f"speculative_config (method={method!r}) needs allocator='paged', not "
                                  f"allocator={self.cache.allocator!r} (a reservation baseline)")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            _fail("EngineConfig", "logprobs_mode", self.logprobs_mode, f"must be one of {', '.join(LOGPROBS_MODES)}")
+        self.logprobs_mode = LOGPROBS_MODES[self.logprobs_mode]
         if not isinstance(self.enable_expert_parallel, bool):
             _fail("EngineConfig", "enable_expert_parallel", self.enable_expert_parallel, "must be True or False")
 

@@ -116,6 +116,45 @@ class LLM:
                                  [BeamSequence(c.token_ids, c.text, c.cumulative_logprob, c.score) for c in o.outputs])
                 for o in outputs]
 
+    # Training loops ---------------------------------------------------------------------------------
+    def update_weights(self, weights) -> None:
+        """Serves new weights without compiling (`LLMEngine.update_weights`): an ``nnx.State`` of the
+        engine's model, ``{hf_parameter_name: array}``, or a path (HF directory, safetensors file,
+        orbax checkpoint). A ValueError on a mismatch, and the old weights keep serving."""
+        with self._lock:
+            self.llm_engine.update_weights(weights)
+
+    def sleep(self, level: int = 1) -> None:
+        """Frees the KV pool and moves the weights to host memory (level 2: drops them)."""
+        with self._lock:
+            self.llm_engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """Restores the weights and an empty KV pool of the same size (nothing compiles)."""
+        with self._lock:
+            self.llm_engine.wake_up()
+
+    def score(self, prompt_token_ids, completion_token_ids, use_tqdm: bool = False):
+        """The log-probability of each completion token given the prompt and the completion tokens
+        before it, under the current weights (the model's raw distribution): a list of floats, or
+        one per pair when both arguments are lists of token lists. One prefill per pair, batched;
+        the prefix cache is not read."""
+        single = bool(prompt_token_ids) and all(isinstance(t, int) for t in prompt_token_ids)
+        prompts, completions = ([prompt_token_ids], [completion_token_ids]) if single else (
+            list(prompt_token_ids), list(completion_token_ids))
+        if len(prompts) != len(completions):
+            raise ValueError(f"completion_token_ids: {len(completions)} given for {len(prompts)} prompts")
+        for i, (p, c) in enumerate(zip(prompts, completions)):
+            for name, ids in (("prompt_token_ids", p), ("completion_token_ids", c)):
+                if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(t, int) for t in ids):
+                    raise ValueError(f"{name}[{i}]: expected a non-empty list of token ids")
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, ignore_eos=True)
+        outputs = self._generate([list(p) + list(c) for p, c in zip(prompts, completions)],
+                                 [params] * len(prompts), use_tqdm)
+        scores = [[next(iter(entry.values())) for entry in out.prompt_logprobs[len(p):]]
+                  for out, p in zip(outputs, prompts)]
+        return scores[0] if single else scores
+
     def _generate(self, prompts, params, use_tqdm: bool) -> list[RequestOutput]:
         with self._lock:
             ids = self._add_all(prompts, params)

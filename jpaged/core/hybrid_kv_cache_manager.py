@@ -44,6 +44,10 @@ class HybridKVCacheManager:
     def block_table(self, seq: Sequence) -> list[int]:
         return self.groups[0].block_table(seq)
 
+    def set_weights_version(self, version: int) -> None:
+        for group in self.groups:
+            group.set_weights_version(version)
+
     def group_block_tables(self, seq: Sequence) -> list[list[int]]:
         """The tables of groups 1, 2, ... (group 0's is `block_table`)."""
         return [group.block_table(seq) for group in self.groups[1:]]

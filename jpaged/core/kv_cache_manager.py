@@ -42,6 +42,8 @@ class KVCache(Protocol):
 
     def find_cached_prefix(self, seqs: list[Sequence], cache_salt: str | None) -> list: ...
 
+    def set_weights_version(self, version: int) -> None: ...
+
     def allocate_slots(self, seqs: list[Sequence], num_new_tokens: int,
                        cached_blocks: list | None = None,
                        cache_salt: str | None = None) -> list[list[int]] | None: ...
@@ -78,6 +80,7 @@ class KVCacheManager:
         self.pending_copies: list[tuple[int, int]] = []  # (src block, dst block)
         self.prefix_cache_queries = 0  # prompt tokens of admitted sequences
         self.prefix_cache_hits = 0     # of those, tokens found in the cache
+        self.weights_version = 0       # in every block's key: a cached block never outlives its weights
 
     def block_table(self, seq: Sequence) -> list[int]:
         return self.block_tables.get(seq.seq_id, [])
@@ -264,8 +267,22 @@ class KVCacheManager:
         return copies
 
     # Prefix caching -------------------------------------------------------------------------------
+    def set_weights_version(self, version: int) -> None:
+        """New weights: blocks computed with the old ones never match again (the version is part
+        of every key), and the free ones are forgotten now."""
+        self.weights_version = version
+        self.pool.forget_free_blocks()
+
+    def _extra_keys(self) -> tuple:
+        """What, besides the tokens, a block's contents depend on engine-wide (the weights' version);
+        part of the root of every hash chain, with the request's ``cache_salt``."""
+        return ("weights_version", self.weights_version) if self.weights_version else ()
+
     def _root_hash(self, cache_salt: str | None) -> int | None:
         root = None if cache_salt is None else hash(("salt", cache_salt))
+        extra = self._extra_keys()
+        if extra:
+            root = hash((root, extra))
         return root if self.group == 0 else hash(("kv_cache_group", self.group, root))
 
     def _hash_chain(self, seq: Sequence, cache_salt: str | None, num_blocks: int) -> list[int]:

@@ -217,6 +217,9 @@ class ReservationKVCacheManager:
     def find_cached_blocks(self, seq: Sequence, cache_salt: str | None = None) -> list[int]:
         return []  # no prefix caching: contiguous per-request buffers cannot share
 
+    def set_weights_version(self, version: int) -> None:
+        """Nothing cached, nothing to invalidate."""
+
     def find_cached_prefix(self, seqs: list[Sequence], cache_salt: str | None = None) -> list[list[int]]:
         return [[] for _ in seqs]
 

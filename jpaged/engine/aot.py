@@ -128,9 +128,10 @@ def abstract_caches(config: ModelConfig, mesh, *, num_tensors: int, num_blocks: 
     return [layer] * num_tensors
 
 
-def step_arguments(step, buckets: StepBuckets, mesh, layout: KVCacheLayout):
+def step_arguments(step, buckets: StepBuckets, mesh, layout: KVCacheLayout, processed_logprobs: bool = False):
     """The step's inputs as the runner builds them (`prepare_inputs`, the pallas metadata with
-    every KV-cache group's tables, the padded sampling tensors), as replicated structs."""
+    every KV-cache group's tables, the padded sampling tensors of the engine's ``logprobs_mode``),
+    as replicated structs."""
     inputs = prepare_inputs(step, buckets, layout.num_groups)
     md = make_attention_metadata("pallas", positions=inputs.positions, slot_mapping=inputs.slot_mapping,
                                  query_start_loc=inputs.query_start_loc, seq_lens=inputs.seq_lens,
@@ -138,7 +139,8 @@ def step_arguments(step, buckets: StepBuckets, mesh, layout: KVCacheLayout):
                                  group_slot_mappings=inputs.group_slot_mappings,
                                  group_block_tables=inputs.group_block_tables,
                                  kv_layout=None if layout.is_trivial else layout.layers)
-    args = (inputs.input_ids, md, inputs.logits_indices, None, sampling_tensors(step.sampling, inputs.num_rows))
+    args = (inputs.input_ids, md, inputs.logits_indices, None,
+            sampling_tensors(step.sampling, inputs.num_rows, processed_logprobs))
     return _placed(args, lambda _: sharding.replicated(mesh))
 
 
@@ -230,10 +232,11 @@ def compile_engine(model_config: ModelConfig, config: EngineConfig, target: str,
             caches = abstract_caches(mc, mesh, num_tensors=layout.num_tensors, num_blocks=num_blocks,
                                      block_size=cc.block_size, kv_dtype=kv_dtype)
             fn = jit_whole_step(graphdef, mesh, [tuple(x.sharding for x in layer) for layer in caches])
+            processed = config.logprobs_mode == "processed_logprobs"
             results = []
             for step in steps:
-                results.append(compile_step(fn, state, caches, step_arguments(step, buckets, mesh, layout), device,
-                                            step_name(step)))
+                results.append(compile_step(fn, state, caches, step_arguments(step, buckets, mesh, layout, processed),
+                                            device, step_name(step)))
                 if progress is not None:
                     progress(results[-1])
             return results

@@ -319,6 +319,35 @@ class AsyncLLMEngine:
         """The engine's `get_metrics()`, read on the loop thread between steps."""
         return await asyncio.wrap_future(self.call(self.engine.get_metrics))
 
+    # Training loops: pause, new weights, sleep (each runs on the loop thread between steps) ----------
+    @property
+    def is_paused(self) -> bool:
+        return self.engine.paused
+
+    async def pause_generation(self, *, abort: bool = False) -> None:
+        """Stops stepping after the current step: requests in flight (and new ones) wait until
+        `resume_generation`, or with ``abort=True`` the unfinished ones end now with
+        ``finish_reason="abort"``."""
+        def pause():
+            self.engine.paused = True
+            if abort:
+                for request_id in list(self._streams):
+                    self._abort(request_id)
+        await asyncio.wrap_future(self.call(pause))
+
+    async def resume_generation(self) -> None:
+        await asyncio.wrap_future(self.call(lambda: setattr(self.engine, "paused", False)))
+
+    async def update_weights(self, weights) -> None:
+        """`LLMEngine.update_weights` (refused with requests in flight unless paused)."""
+        await asyncio.wrap_future(self.call(functools.partial(self.engine.update_weights, weights)))
+
+    async def sleep(self, level: int = 1) -> None:
+        await asyncio.wrap_future(self.call(functools.partial(self.engine.sleep, level)))
+
+    async def wake_up(self) -> None:
+        await asyncio.wrap_future(self.call(self.engine.wake_up))
+
     def call(self, fn) -> concurrent.futures.Future:
         """Runs ``fn()`` on the loop thread between steps; its result or exception in the future."""
         future = concurrent.futures.Future()
@@ -344,7 +373,7 @@ class AsyncLLMEngine:
             self._run_calls()
             if self._stopping:
                 break
-            if not self.engine.has_unfinished_requests():
+            if self.engine.paused or not self.engine.has_unfinished_requests():
                 self._wakeup.wait()
                 self._wakeup.clear()
                 continue

@@ -39,6 +39,9 @@ class LLMEngine:
         self.peak_kv_cache_usage = 0.0
         self.num_failed_steps = 0
         self.step_timings = StepTimings()  # of the steps since start
+        self.weights_version = 0  # update_weights calls so far
+        self.sleep_level = 0      # 0: awake; 1 or 2 after sleep(level)
+        self.paused = False       # set by the async engine's pause_generation: in-flight requests wait
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -63,6 +66,7 @@ class LLMEngine:
     def process(self, request_id: str, prompt, sampling_params: SamplingParams | BeamSearchParams | None = None,
                 *, cache_salt: str | None = None) -> Request:
         """A validated request, not queued yet (`InputProcessor.process`; safe from any thread)."""
+        self._check_awake()
         return self.input_processor.process(request_id, prompt, sampling_params, cache_salt=cache_salt)
 
     def add_request(self, request_id: str | Request, prompt=None,
@@ -70,6 +74,7 @@ class LLMEngine:
                     cache_salt: str | None = None) -> Request:
         """Queues a request (a `Request` from `process`, or an id with its prompt and parameters);
         with `BeamSearchParams` it is a beam search. ``prompt`` may carry its own ``cache_salt``."""
+        self._check_awake()
         request = request_id if isinstance(request_id, Request) else self.process(
             request_id, prompt, sampling_params, cache_salt=cache_salt)
         self.scheduler.add_request(request)
@@ -171,6 +176,51 @@ class LLMEngine:
             request.beam.done = True
         self._end(request)
         return self.output_processor.output(request)
+
+    # Training loops: new weights, sleep ---------------------------------------------------------------
+    def _check_awake(self) -> None:
+        if self.sleep_level:
+            raise RuntimeError(f"the engine is asleep (sleep(level={self.sleep_level})): call wake_up() first")
+
+    def _check_no_requests(self, what: str, allow_paused: bool) -> None:
+        if self.has_unfinished_requests() and not (allow_paused and self.paused):
+            raise RuntimeError(f"{what}: {len(self.requests)} request(s) in flight; let them finish or abort them "
+                               "first" + (" (or pause generation)" if allow_paused else ""))
+
+    def update_weights(self, weights) -> None:
+        """Serves new weights (an ``nnx.State`` of the engine's model, ``{hf_parameter_name: array}``
+        or a checkpoint path; `jpaged.loading.weight_update`), cast and resharded onto the engine's
+        dtypes and shardings, so nothing compiles. Refused while requests are in flight, unless the
+        engine is paused (then they go on with the new weights). Every prefix-cache entry of the
+        old weights is invalid at once. A mismatch is a ValueError and the old weights keep serving."""
+        self._check_no_requests("update_weights", allow_paused=True)
+        if self.config.quantization == "gguf":
+            raise ValueError("update_weights: quantization='gguf' keeps a GGUF file's blocks, which new float "
+                             "weights cannot become; build a new LLM (quantization=None or 'int8' re-quantize)")
+        leaves = self.runner.weight_targets.new_leaves(weights)  # every check before anything changes
+        self.runner.load_weights(leaves)
+        self.weights_version += 1
+        self.kv_cache.set_weights_version(self.weights_version)
+
+    def sleep(self, level: int = 1) -> None:
+        """Frees the device: level 1 frees the KV pool and moves the weights to host memory, level 2
+        drops the weights too (`update_weights` brings new ones). Requests are refused until
+        `wake_up`; none may be in flight."""
+        if level not in (1, 2):
+            raise ValueError(f"level={level!r}: must be 1 or 2")
+        self._check_awake()
+        self._check_no_requests("sleep", allow_paused=False)
+        if hasattr(self.kv_cache.pool, "forget_free_blocks"):  # the pool's contents are about to go
+            self.kv_cache.pool.forget_free_blocks()
+        self.runner.sleep(level)
+        self.sleep_level = level
+
+    def wake_up(self) -> None:
+        """Restores the weights and a new, empty KV pool of the same size (the same executables)."""
+        if not self.sleep_level:
+            return
+        self.runner.wake_up()
+        self.sleep_level = 0
 
     # Metrics -----------------------------------------------------------------------------------------
     def get_metrics(self) -> dict:

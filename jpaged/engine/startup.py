@@ -226,7 +226,7 @@ def build(config: EngineConfig, model=None, tokenizer=None, devices=None) -> Eng
                           num_kv_groups=layout.num_groups)
     runner = ModelRunner(model, pool, buckets, mesh=mesh, dtype=dtype, max_decode_window=sc.num_scheduler_steps,
                          whole_step=mesh.devices.flat[0].platform in ("tpu", "gpu"), drafter=drafter,
-                         kv_layout=layout)
+                         kv_layout=layout, processed_logprobs=config.logprobs_mode == "processed_logprobs")
     start = time.perf_counter()
     precompile.warm_up(runner, max_tokens=sc.max_num_batched_tokens, max_seqs=sc.max_num_seqs,
                        precompile=config.precompile, decode_windows=sc.num_scheduler_steps > 1)

@@ -40,6 +40,7 @@ from jpaged.engine.async_engine import (AdmissionError, AsyncLLMEngine, EngineEr
 from jpaged.engine.chat_template import apply_chat_template
 from jpaged.entrypoints.metrics import ServerMetrics
 from jpaged.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from jpaged.entrypoints.training_routes import TRAINING_ROUTES, add_training_routes
 from jpaged.utils import invalid_text_path, release_free_host_memory
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20  # a request body larger than this is a 413
@@ -232,6 +233,8 @@ class OpenAIServing:
         if self.draining or not self.engine.is_running:
             raise APIError(503, "the server is shutting down; retry on another replica", type="server_error",
                            code="shutting_down")
+        if self.engine.engine.sleep_level:  # a training loop put it to sleep (POST /sleep)
+            raise APIError(503, "the engine is asleep: POST /wake_up first", type="server_error", code="sleeping")
 
     def failure(self, choice, structured_param: str) -> APIError | None:
         """The error a failed choice (finish_reason "error") is: a 400 naming the constraint when its
@@ -521,14 +524,14 @@ class OpenAIServing:
 
 
 class APIKeyMiddleware:
-    """401 for every ``/v1`` call without ``Authorization: Bearer <api_key>`` (the scheme in any
-    case, as HTTP has it; plain ASGI, so that streaming and disconnects pass through untouched)."""
+    """401 for every ``/v1`` call (and training-loop route) without ``Authorization: Bearer <api_key>``
+    (the scheme in any case, as HTTP has it; plain ASGI, so that streaming and disconnects pass through untouched)."""
 
     def __init__(self, app, api_key: str):
         self.app, self.expected = app, api_key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] in TRAINING_ROUTES):
             scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
             if not (scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.expected)):
                 response = error_response(401, "Incorrect or missing API key (send `Authorization: Bearer <key>`).",
@@ -563,12 +566,13 @@ async def drain(app: FastAPI, timeout: float, poll: float = 0.05) -> int:
 
 def create_app(async_engine: AsyncLLMEngine, *, served_model_name: str, api_key: str | None = None,
                chat_template: str | None = None, metrics: ServerMetrics | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, enable_weight_updates: bool = False) -> FastAPI:
     """The FastAPI app. Its shutdown (e.g. uvicorn's on SIGTERM) shuts the engine down; `drain`
     first lets the requests in flight finish.
 
     Pass ``metrics`` when it was built before the engine (so that its ``on_output`` is the engine's);
-    otherwise the app makes one and hooks it in.
+    otherwise the app makes one and hooks it in. ``enable_weight_updates``: ``POST /update_weights``
+    answers (else 403); the other training-loop routes are `training_routes`.
     """
     if metrics is None:
         metrics = ServerMetrics(async_engine, served_model_name)
@@ -627,5 +631,7 @@ def create_app(async_engine: AsyncLLMEngine, *, served_model_name: str, api_key:
     @app.get("/metrics")
     async def prometheus_metrics():
         return Response(await metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    add_training_routes(app, serving, enable_weight_updates=enable_weight_updates)
 
     return app

@@ -24,6 +24,7 @@ from flax import nnx
 from jpaged import sharding
 from jpaged.core.kv_cache_layout import KVCacheLayout, kv_cache_layout
 from jpaged.core.scheduler_output import SchedulerOutput, StepResult
+from jpaged.loading.weight_update import WeightTargets
 from jpaged.models.attention import attention_backend_of, make_attention_metadata
 from jpaged.runner.buckets import StepBuckets
 from jpaged.runner.decode_window import decode_window
@@ -74,12 +75,15 @@ class ModelRunner:
     """Owns the device side: parameters, the KV pool, and the jitted functions that use them."""
 
     def __init__(self, model, kv_pool: KVPool, buckets: StepBuckets, *, mesh, dtype, max_decode_window: int = 1,
-                 whole_step: bool = False, drafter=None, kv_layout: KVCacheLayout | None = None):
+                 whole_step: bool = False, drafter=None, kv_layout: KVCacheLayout | None = None,
+                 processed_logprobs: bool = False):
         """``dtype``: the model's activations. ``whole_step``: one jitted function per step
         (accelerators), else layer pieces where the model has them. ``max_decode_window``: the most
         decode steps one window runs. ``drafter``: a `DraftModelProposer` (speculative decoding
         with a draft model), run after each step. ``kv_layout``: the KV-cache groups (default: one
-        group, a pool tensor per layer)."""
+        group, a pool tensor per layer). ``processed_logprobs``: logprobs of the distribution sampled
+        from (``logprobs_mode="processed_logprobs"``), else the model's."""
+        self.processed_logprobs = processed_logprobs
         self.config, self.dtype = model.config, dtype
         self.drafter = drafter
         self.kv_pool, self.buckets, self.mesh = kv_pool, buckets, mesh
@@ -89,6 +93,8 @@ class ModelRunner:
         graphdef, state = nnx.split(model)
         self.graphdef = graphdef
         self.state = sharding.shard_state(state, mesh, expert_parallel=getattr(model, "expert_parallel", False))
+        self.weight_targets = WeightTargets(graphdef, self.state)  # what `load_weights` must match
+        self.sleeping_leaves: dict | None = None  # asleep: {path: host array} of the leaves kept
         replicated, pool = sharding.replicated(mesh), kv_pool.shardings()
         self._replicated = replicated
         self.pieces = None if whole_step else LayerPieces.of(nnx.merge(graphdef, self.state))  # a view
@@ -127,6 +133,50 @@ class ModelRunner:
         called with: each is one compilation (or one load from the persistent compilation cache)."""
         return len(self.counter)
 
+    # Weights and sleep ---------------------------------------------------------------------------------
+    def load_weights(self, leaves: dict) -> None:
+        """Serves new parameter arrays ({path: array}, already on the engine's shardings and dtypes,
+        `WeightTargets.new_leaves`); the other leaves stay. Same shapes and shardings: the compiled
+        step runs them as it is. Asleep, they wait for `wake_up`."""
+        if self.sleeping_leaves is not None:
+            self.sleeping_leaves.update(leaves)
+            return
+        flat = dict(zip(self.weight_targets.paths, jax.tree.leaves(self.state)))
+        flat.update(leaves)
+        self._set_state(self.weight_targets.state(flat))
+
+    def _set_state(self, state) -> None:
+        self.state = state
+        if self.pieces is not None:  # the same jitted pieces, new leaves
+            fresh = LayerPieces.of(nnx.merge(self.graphdef, state))
+            self.pieces.shell_state, self.pieces.layer_leaves = fresh.shell_state, fresh.layer_leaves
+
+    def sleep(self, level: int) -> None:
+        """Frees the KV pools (and their host swap buffers) and the parameters' device buffers:
+        level 1 keeps a host copy of every leaf, level 2 only of the non-parameter leaves (the next
+        `load_weights` brings the parameters)."""
+        targets = self.weight_targets
+        keep = [p for p in targets.paths if level == 1 or p not in targets.param_paths]
+        flat = dict(zip(targets.paths, jax.tree.leaves(self.state)))
+        self.sleeping_leaves = dict(zip(keep, jax.device_get([flat[p] for p in keep])))
+        self.state = None
+        if self.pieces is not None:
+            self.pieces.shell_state, self.pieces.layer_leaves = None, None
+        for pool in self.kv_pools:
+            pool.caches, pool.host = None, None
+
+    def wake_up(self) -> None:
+        """Puts the parameters back on their shardings and makes new (empty) KV pools."""
+        targets, leaves = self.weight_targets, self.sleeping_leaves
+        missing = [p for p in targets.paths if p not in leaves]
+        if missing:
+            raise ValueError("wake_up: the weights were dropped by sleep(level=2); call update_weights(weights) "
+                             f"first (missing e.g. {'.'.join(map(str, missing[0]))})")
+        self._set_state(targets.state({p: targets.place(p, leaves[p], ".".join(map(str, p))) for p in targets.paths}))
+        self.sleeping_leaves = None
+        for pool in self.kv_pools:
+            pool.reset()
+
     # A step -------------------------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> list[StepResult]:
         """Runs the step (``out.num_steps`` of them for a decode window): one result per step."""
@@ -141,7 +191,7 @@ class ModelRunner:
                                      seq_lens=inputs.seq_lens, block_tables=inputs.block_tables,
                                      num_seqs=inputs.num_seqs, group_slot_mappings=inputs.group_slot_mappings,
                                      group_block_tables=inputs.group_block_tables, kv_layout=self._md_layout)
-        sampling = sampling_tensors(out.sampling, inputs.num_rows)
+        sampling = sampling_tensors(out.sampling, inputs.num_rows, self.processed_logprobs)
         n = len(out.sample_rows)
         prepared = time.perf_counter()
         with jax.set_mesh(self.mesh):
@@ -237,7 +287,8 @@ class ModelRunner:
                                               num_fixed=1)
                 for batch in plain_sampling(r_pad):
                     jax.block_until_ready(self.counter.call("sample", self._sample, logits,
-                                                            sampling_tensors(batch, r_pad)))
+                                                            sampling_tensors(batch, r_pad,
+                                                                             self.processed_logprobs)))
 
     def compile_decode_windows(self, max_seqs: int) -> None:
         """Compiles the decode window of every decode-only batch shape (greedy, and sampled without
@@ -255,7 +306,8 @@ class ModelRunner:
                 with jax.set_mesh(self.mesh):
                     _, self.kv_pool.caches = self.counter.call(
                         "window", self._window, self._params(), self.kv_pool.caches, np.zeros(t_pad, np.int32), md,
-                        np.zeros(rows, np.int32), sampling_tensors(batch, rows), np.zeros(rows, np.int32),
+                        np.zeros(rows, np.int32), sampling_tensors(batch, rows, self.processed_logprobs),
+                        np.zeros(rows, np.int32),
                         np.int32(0), num_fixed=2)
 
 

@@ -34,7 +34,7 @@ from jpaged_kernels import cpu
                                 "output_token_ids", "prompt_token_ids", "banned_token_ids",
                                 "bias_token_ids", "bias_values", "allowed_token_ids", "has_allowed",
                                 "token_bitmask"],
-                   meta_fields=["num_logprobs", "use_filters", "use_penalties", "all_greedy"])
+                   meta_fields=["num_logprobs", "use_filters", "use_penalties", "all_greedy", "processed_logprobs"])
 @dataclasses.dataclass
 class SamplingTensors:
     """Per-row sampling parameters [S]; token-id arrays are padded with -1.
@@ -63,12 +63,13 @@ class SamplingTensors:
     use_filters: bool = False     # any top-k / top-p / min-p (static)
     use_penalties: bool = False   # any penalty (static)
     all_greedy: bool = True       # no row samples: skip the random numbers (static)
+    processed_logprobs: bool = False  # logprobs of the distribution sampled from, not the model's (static)
 
 
-def sampling_tensors(batch: SamplingBatch, s_pad: int) -> SamplingTensors:
+def sampling_tensors(batch: SamplingBatch, s_pad: int, processed_logprobs: bool = False) -> SamplingTensors:
     """``batch``'s rows padded to ``s_pad`` (greedy rows that allow every token); token-id lists
     padded with -1 to a power-of-two width, 0 for an option no row uses, so shapes come from a small
-    set and an unused stage is not traced."""
+    set and an unused stage is not traced. ``processed_logprobs``: the engine's ``logprobs_mode``."""
     pad = s_pad - batch.num_rows
     f32 = lambda vals, fill: np.array(list(vals) + [fill] * pad, np.float32)  # noqa: E731
     i32 = lambda vals, fill: np.array(list(vals) + [fill] * pad, np.int32)  # noqa: E731
@@ -97,7 +98,8 @@ def sampling_tensors(batch: SamplingBatch, s_pad: int) -> SamplingTensors:
         num_logprobs=bucket(batch.num_logprobs, 0),
         use_filters=batch.use_filters,
         use_penalties=batch.use_penalties,
-        all_greedy=batch.all_greedy)
+        all_greedy=batch.all_greedy,
+        processed_logprobs=processed_logprobs)
 
 
 def _token_counts(token_ids, vocab_size):
@@ -208,7 +210,7 @@ def sample(logits, t: SamplingTensors):
         return _with_logprobs(tokens, raw_logits, t.num_logprobs, log_norm)
     greedy_tokens = argmax(logits)
     if t.all_greedy:
-        return _with_logprobs(greedy_tokens, raw_logits, t.num_logprobs)
+        return _with_logprobs(greedy_tokens, logits if t.processed_logprobs else raw_logits, t.num_logprobs)
     scaled = logits / jnp.where(t.temperature > 0, t.temperature, 1.0)[:, None]
     if t.use_filters:
         scaled = apply_filters(scaled, t)
@@ -216,7 +218,9 @@ def sample(logits, t: SamplingTensors):
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
     sampled = argmax(scaled + gumbel)
     tokens = jnp.where(t.temperature > 0, sampled, greedy_tokens).astype(jnp.int32)
-    return _with_logprobs(tokens, raw_logits, t.num_logprobs)
+    # processed: what each row was sampled from (greedy rows: the logits after bias, masks, penalties)
+    processed = jnp.where((t.temperature > 0)[:, None], scaled, logits) if t.processed_logprobs else raw_logits
+    return _with_logprobs(tokens, processed, t.num_logprobs)
 
 
 def _with_logprobs(tokens, logits, num_logprobs, log_norm=None):
