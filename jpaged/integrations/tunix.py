@@ -70,13 +70,13 @@ def _to_hf_layout(array, how: str):
         return array.reshape(-1, array.shape[-1]).T
     if how == "t":
         return array.T
-    return array
+    return jnp.copy(array)  # the engine's own buffer: the trainer may donate or overwrite its arrays
 
 
 def tunix_to_hf(params) -> dict:
     """``{hf_parameter_name: array}`` of a Tunix Llama3 / Qwen2 / Qwen3 model or of an
     ``nnx.State`` of its parameters (a subset, e.g. what ``update_params`` receives, gives the
-    subset). The arrays stay on their devices (reshapes and transposes only)."""
+    subset). The arrays stay on their devices (reshapes, transposes and copies, no host trip)."""
     state = params if isinstance(params, nnx.State) else nnx.state(params, nnx.Param)
     hf = {}
     for path, value in nnx.to_flat_state(state):
@@ -157,14 +157,12 @@ class JpagedRollout(base_rollout.BaseRollout):
         graphdef, state = nnx.split(rollout_actor)
         self._abstract_actor = nnx.merge(graphdef, jax.eval_shape(lambda: state))
         engine_kwargs.setdefault("max_model_len", rollout_config.kv_cache_size)
-        self._engine_kwargs = dict(engine_kwargs, memory_utilization=memory_utilization)
         self._config = jpaged_config(rollout_actor, engine_kwargs["max_model_len"])
         self._dtype = rollout_config.data_type or jax.tree.leaves(nnx.state(rollout_actor, nnx.Param))[0].dtype
-        self._llm = self._build_engine(tunix_to_hf(rollout_actor))
-
-    def _build_engine(self, hf_weights: dict) -> LLM:
-        model = build_model(self._config, hf_weights.items(), dtype=self._dtype, attention_backend="xla")
-        return LLM.from_model(model, tokenizer=None, **self._engine_kwargs)
+        engine_kwargs["memory_utilization"] = memory_utilization
+        model = build_model(self._config, tunix_to_hf(rollout_actor).items(), dtype=self._dtype,
+                            attention_backend="xla")
+        self._llm = LLM.from_model(model, tokenizer=None, **engine_kwargs)
 
     @property
     def llm(self) -> LLM:
@@ -230,19 +228,17 @@ class JpagedRollout(base_rollout.BaseRollout):
 
     def update_params(self, params, filter_types=None) -> None:
         """Loads the trainer's parameters (an ``nnx.State`` of the Tunix model, full or a subset)
-        into the engine. LoRA-only updates (``filter_types`` of ``nnx.LoRAParam``) are refused."""
+        into the engine with `LLM.update_weights` (resharded in place, nothing recompiles).
+        LoRA-only updates (``filter_types`` of ``nnx.LoRAParam``) are refused."""
         types = tuple(filter_types or ())
         if any(isinstance(t, type) and issubclass(t, nnx.LoRAParam) for t in types):
             raise ValueError("filter_types: LoRA-only updates (nnx.LoRAParam) are not supported by "
                              "JpagedRollout yet; merge the adapters or train full parameters")
         weights = tunix_to_hf(self._actor)  # a subset update keeps the other parameters
         weights.update(tunix_to_hf(params))
-        # Tunix's sync_weights forbids explicit host transfers on CPU; loading is a transfer
+        # Tunix's sync_weights forbids explicit host transfers on CPU; the engine's placement may copy
         with jax.transfer_guard("allow"):
-            if hasattr(self._llm, "update_weights"):
-                self._llm.update_weights(weights)
-            else:  # an engine without LLM.update_weights: rebuilt on the new weights (recompiles)
-                self._llm = self._build_engine(weights)
+            self._llm.update_weights(weights)
 
     def pad_id(self) -> int:
         return self._tokenizer.pad_id()
@@ -273,13 +269,7 @@ class JpagedRollout(base_rollout.BaseRollout):
             logprobs=0 if rc.return_logprobs else None)
 
     def _score(self, rows: list[tuple[list[int], list[int]]]) -> list[list[float]]:
-        """Per-token logprobs of each completion after its prompt, in one batch."""
+        """Per-token logprobs of each completion after its prompt, in one batch (`LLM.score`)."""
         if not rows:
             return []
-        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-        outs = self._llm.generate([p + c for p, c in rows], params, use_tqdm=False)
-        scores = []
-        for (p, c), out in zip(rows, outs):
-            lps = out.prompt_logprobs[len(p):len(p) + len(c)]
-            scores.append([float(getattr(d[t], "logprob", d[t])) for d, t in zip(lps, c)])
-        return scores
+        return [[float(x) for x in row] for row in self._llm.score([p for p, _ in rows], [c for _, c in rows])]
