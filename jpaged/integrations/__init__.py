@@ -1,0 +1,1 @@
+"""Integrations of jpaged with other frameworks (Tunix)."""
