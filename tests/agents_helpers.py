@@ -4,28 +4,9 @@ import json
 
 import jsonschema
 
-HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
-# Tools
-<tools>
-{%- for t in tools %}
-{{ t | tojson }}
-{%- endfor %}
-</tools>
-Call a function as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
-{% endif %}
-{%- for m in messages %}
-{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant
-{%- for c in m.tool_calls %}
-<tool_call>{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}</tool_call>
-{%- endfor %}<|im_end|>
-{% elif m.role == 'tool' %}<|im_start|>user
-<tool_response>{{ m.content }}</tool_response><|im_end|>
-{% else %}<|im_start|>{{ m.role }}
-{{ m.content }}<|im_end|>
-{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
+from jpaged.agents.templates import CHATML_TOOLS_TEMPLATE
+
+HERMES_TEMPLATE = CHATML_TOOLS_TEMPLATE
 
 PLAIN_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                   "{% if add_generation_prompt %}<|assistant|>{% endif %}")

@@ -180,8 +180,9 @@ def check_forced_grammar(request: ToolRequest, tokenizer, vocab_size: int, reaso
                 compile_grammar(request.structured_outputs(reasoning_parser, [f]), tokenizer, vocab_size)
             except ValueError as e:
                 i = request.functions.index(f)
+                why = re.sub(r"^structured_outputs\.\w+: ", "", str(e))
                 raise ValueError(f"tools[{i}].function.parameters ({f.name}): the grammar engine cannot take "
-                                 f"this schema: {e}") from None
+                                 f"this schema: {why}") from None
         raise ValueError(f"tools: the grammar engine cannot take these functions together: {whole}") from None
     return spec
 

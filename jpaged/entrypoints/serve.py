@@ -31,7 +31,8 @@ flags.DEFINE_string("api_key", os.environ.get("JPAGED_API_KEY"),
 flags.DEFINE_string("served_model_name", None, "Model name in the API (default: --model or --config)")
 flags.DEFINE_integer("max_queued_requests", None,
                      "Waiting requests beyond which new ones get a 503 (default: no limit)")
-flags.DEFINE_string("chat_template", None, "Jinja chat template (a file or the template itself); "
+flags.DEFINE_string("chat_template", None, "Jinja chat template (a file, the template itself, or "
+                    "`chatml_tools`: ChatML with hermes tool calls, for ChatML models without tool support); "
                     "default: the tokenizer's")
 flags.DEFINE_bool("enable_auto_tool_choice", False, 'Allow tool_choice="auto" (the OpenAI default with tools): '
                   "the model's own tool-call format is parsed with --tool_call_parser")
@@ -58,7 +59,11 @@ def build_app():
     kwargs.setdefault("precompile", True)  # no compilation inside a request's latency
     async_engine = AsyncLLMEngine.from_args(model, max_queued_requests=F.max_queued_requests, **kwargs)
     chat_template = F.chat_template
-    if chat_template and os.path.isfile(chat_template):
+    if chat_template == "chatml_tools":
+        from jpaged.agents.templates import CHATML_TOOLS_TEMPLATE
+
+        chat_template = CHATML_TOOLS_TEMPLATE
+    elif chat_template and os.path.isfile(chat_template):
         with open(chat_template) as f:
             chat_template = f.read()
     name = F.served_model_name or (model.rstrip("/") if model else DEFAULT_MODEL_NAME)
