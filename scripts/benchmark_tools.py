@@ -101,7 +101,7 @@ def main(argv):
     from jpaged.engine.async_engine import AsyncLLMEngine
     from jpaged.entrypoints.openai_server import create_app
 
-    for name in ("httpx", "openai"):
+    for name in ("httpx", "httpx2", "openai"):
         logging.getLogger(name).setLevel(logging.WARNING)
     kwargs = dict(num_kv_blocks=F.num_kv_blocks, max_model_len=F.max_model_len, max_num_seqs=F.num_streams)
     llm = LLM(F.model, **kwargs) if F.model else LLM(**kwargs)

@@ -251,3 +251,34 @@ def test_server_without_auto_tool_choice_refuses_auto(srv):
         assert status == 400 and body["error"]["param"] == "tools" and "cannot render tools" in body["error"]["message"]
     finally:
         serving.auto_tool_choice, serving.chat_template = True, HERMES_TEMPLATE
+
+
+@pytest.mark.slow
+def test_embedded_smollm2_forced_and_auto_calls():
+    """The default model (real weights): its own template has no tool support (a clear ValueError);
+    with the ChatML tools template a required call is schema-valid, streamed or not, on a server too."""
+    pytest.importorskip("gguf")
+    from jpaged import LLM, SamplingParams
+    from jpaged.agents.templates import CHATML_TOOLS_TEMPLATE
+    from jpaged.loading.gguf_loader import default_model_path
+
+    try:
+        default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    llm = LLM(max_num_seqs=4, max_model_len=1024)
+    params = SamplingParams(temperature=0, max_tokens=96)
+    with pytest.raises(ValueError, match="tools: the chat template cannot render tools"):
+        llm.chat(CONVERSATION, params, tools=TOOLS, tool_choice="required", use_tqdm=False)
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        c = llm.chat(CONVERSATION, params, chat_template=CHATML_TOOLS_TEMPLATE, tools=TOOLS, tool_choice=choice,
+                     use_tqdm=False)[0].outputs[0]
+        assert c.finish_reason == "tool_calls", c.text
+        assert_valid_calls(c.tool_calls)
+    auto = llm.chat(CONVERSATION, params, chat_template=CHATML_TOOLS_TEMPLATE, tools=TOOLS, use_tqdm=False)[0]
+    c = auto.outputs[0]  # whatever SmolLM2 writes: valid calls, or text
+    assert (c.finish_reason == "tool_calls") == bool(c.tool_calls)
+    if c.tool_calls:
+        assert_valid_calls(c.tool_calls)
+    m = llm.get_metrics()
+    assert m["num_free_blocks"] == m["num_total_blocks"]
