@@ -19,6 +19,10 @@ Output control (``logit_bias``, ``response_format``, vLLM's ``structured_outputs
 ``allowed_token_ids``, ``bad_words``) is checked against the model here, before the request reaches
 the engine: grammars are compiled (and cached) on a worker thread, so a cold compile never stalls the
 engine loop, and an invalid schema, regex or bias is a 400 that no other request notices.
+
+Chat takes OpenAI's ``tools`` / ``tool_choice`` and returns ``tool_calls`` and ``reasoning_content``
+(`jpaged.agents`: forced calls decode under a grammar, ``"auto"`` output is parsed by
+``tool_call_parser``, the ``<think>`` part split off by ``reasoning_parser``).
 """
 import asyncio
 import contextlib
