@@ -85,12 +85,12 @@ async def one(client, mode: str) -> dict:
             "arguments": "".join(arguments)}
 
 
-async def run_mode(base_url: str, mode: str) -> list[dict]:
+async def run_mode(base_url: str, mode: str, num_streams: int | None = None) -> list[dict]:
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=3600)
     try:
-        return await asyncio.gather(*(one(client, mode) for _ in range(F.num_streams)))
+        return await asyncio.gather(*(one(client, mode) for _ in range(num_streams or F.num_streams)))
     finally:
         await client.close()
 
@@ -110,7 +110,8 @@ def main(argv):
     engine = AsyncLLMEngine(llm.llm_engine)
     server, base_url = start_server(create_app(engine, served_model_name="bench", chat_template=CHATML_TOOLS_TEMPLATE,
                                                   tool_call_parser="hermes", enable_auto_tool_choice=True))
-    asyncio.run(run_mode(base_url, F.modes[0]))  # warm-up: compilations and the grammar cache
+    for mode in F.modes:  # warm-up: compilations, prefix cache, the grammar and llguidance's tokenizer view
+        asyncio.run(run_mode(base_url, mode, 2))
     results = {}
     for mode in F.modes:
         records = asyncio.run(run_mode(base_url, mode))

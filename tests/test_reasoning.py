@@ -1,9 +1,6 @@
 """Reasoning output (issue #41): the ``<think>`` split of each parser, whole and streamed, tool calls
 read from the answer only, the grammar that starts at ``</think>``, and reasoning_content through
 LLM.chat and the server (streamed and not, with the openai client)."""
-import json
-
-import numpy as np
 import pytest
 
 from agents_helpers import CONVERSATION, HERMES_TEMPLATE, TOOLS, accumulate, as_message, assert_valid_calls

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from agents_helpers import (CONVERSATION, HERMES_TEMPLATE, PLAIN_TEMPLATE, SCHEMAS, TIME, TOOLS, WEATHER,
+from agents_helpers import (CONVERSATION, HERMES_TEMPLATE, PLAIN_TEMPLATE, TIME, TOOLS, WEATHER,
                             accumulate, as_message, assert_valid_calls, without_ids)
 from conftest import byte_tokenizer
 from jpaged.agents.chat_output import ChatOutputStream, parse_chat_output
