@@ -87,24 +87,54 @@ class LLM:
         return self._generate(prompts, params, use_tqdm)
 
     def chat(self, messages, sampling_params=None, *, chat_template: str | None = None,
-             add_generation_prompt: bool = True, use_tqdm: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, use_tqdm: bool = True, tools: list[dict] | None = None,
+             tool_choice=None, parallel_tool_calls: bool | None = None, tool_call_parser: str = "hermes",
+             reasoning_parser: str | None = None) -> list[RequestOutput]:
         """Generates replies to one conversation (a list of ``{"role", "content"}`` dicts) or to a
         list of them, each rendered with ``chat_template`` or the tokenizer's own (GGUF metadata or
-        ``tokenizer_config.json``); ValueError when there is none. One output per conversation."""
+        ``tokenizer_config.json``); ValueError when there is none. One output per conversation.
+
+        ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` are OpenAI's: the tools reach the
+        template; ``"required"`` or a named function decode under a grammar that admits only valid
+        calls; ``"auto"`` parses the model's own format with ``tool_call_parser`` (hermes,
+        llama3_json, mistral, pythonic). ``reasoning_parser`` (deepseek_r1, qwen3) splits off the
+        ``<think>`` part. Each output then has ``content``, ``reasoning_content``, ``tool_calls``
+        (OpenAI's shape, or None) and ``finish_reason="tool_calls"`` when it called tools."""
+        from jpaged.agents.chat_output import parse_chat_output
+        from jpaged.agents.reasoning_parsers import get_reasoning_parser
+        from jpaged.agents.tool_parsers import get_tool_parser
+        from jpaged.agents.tools import constrained_params, parse_tool_request
         from jpaged.engine.chat_template import apply_chat_template, is_conversation
 
         conversations = [messages] if is_conversation(messages) else list(messages)
         if not conversations:
             raise ValueError("messages: expected a conversation or a non-empty list of conversations")
+        tool_request = parse_tool_request(tools, tool_choice, parallel_tool_calls)
+        tool_parser = get_tool_parser(tool_call_parser) if tool_request is not None else None
+        reasoning = get_reasoning_parser(reasoning_parser) if reasoning_parser is not None else None
         prompts = []
         for i, conversation in enumerate(conversations):
             try:
                 prompts.append(apply_chat_template(self.get_tokenizer(), conversation, chat_template,
                                                    add_generation_prompt,
-                                                   self.llm_engine.input_processor.check_text_length))
+                                                   self.llm_engine.input_processor.check_text_length,
+                                                   tools=tool_request.template_tools if tool_request else None))
             except ValueError as e:
                 raise ValueError(f"messages[{i}]: {e}" if len(conversations) > 1 else str(e)) from None
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        engine = self.llm_engine
+        sampling_params = [constrained_params(p, tool_request, reasoning, self.get_tokenizer(),
+                                              engine.model_config.vocab_size)
+                           if isinstance(p, SamplingParams) else p for p in sampling_params]
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        for out in outputs:
+            for c in out.outputs:
+                message = parse_chat_output(c.text, c.finish_reason, reasoning, tool_parser, tool_request)
+                c.content, c.reasoning_content, c.finish_reason = message.content, message.reasoning_content, \
+                    message.finish_reason
+                c.tool_calls = [t.to_openai() for t in message.tool_calls] or None
+        return outputs
 
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Beam search for each prompt inside the engine (beams share blocks); beams best first."""

@@ -14,6 +14,11 @@ class CompletionOutput:
     finish_reason: str | None = None   # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     score: float | None = None  # beam search: the length-normalized score
+    # LLM.chat: the answer without reasoning and tool calls, the ``<think>`` part (a reasoning
+    # parser), and the tool calls in OpenAI's shape; ``text`` stays the whole generated text
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -44,23 +44,36 @@ def is_conversation(obj) -> bool:
     return isinstance(obj, (list, tuple)) and bool(obj) and all(isinstance(m, dict) for m in obj)
 
 
+def supports_tools(template: str) -> bool:
+    """Whether a chat template renders tool definitions (its source reads the ``tools`` variable)."""
+    return "tools" in template
+
+
 def apply_chat_template(tokenizer, messages, chat_template: str | None = None,
-                        add_generation_prompt: bool = True, check_length=None) -> dict:
+                        add_generation_prompt: bool = True, check_length=None, tools: list[dict] | None = None) -> dict:
     """``{"prompt": text, "prompt_token_ids": ids}`` for one conversation, ready for ``add_request``.
 
-    Raises ValueError when there is no tokenizer, no template, or a malformed conversation;
-    ``check_length(text, field)`` (the input processor's) may refuse text too long to tokenize.
+    ``tools`` (OpenAI function tools) reach the template as its ``tools`` variable; assistant
+    ``tool_calls`` in the history get their arguments as objects, as templates expect.
+    Raises ValueError when there is no tokenizer, no template, a template that cannot render tools
+    when there are some, or a malformed conversation; ``check_length(text, field)`` (the input
+    processor's) may refuse text too long to tokenize.
     """
+    from jpaged.agents.tools import template_messages
+
     if tokenizer is None:
         raise ValueError("chat: the model has no tokenizer, so it cannot apply a chat template")
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError("chat_template: the model's tokenizer has no chat template (neither in the GGUF "
                          "metadata nor in tokenizer_config.json); pass chat_template=")
-    conversation = normalize_conversation(messages)
+    if tools and not supports_tools(template):
+        raise ValueError("tools: the chat template cannot render tools (its source never reads `tools`); "
+                         "give one that can (chat_template= or --chat_template)")
+    conversation = template_messages(normalize_conversation(messages))
     try:
         text = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt, tools=tools or None)
     except Exception as e:  # jinja2 errors: a broken template, or raise_exception() in it
         raise ValueError(f"chat_template: could not render the conversation: {e}") from None
     if check_length is not None:

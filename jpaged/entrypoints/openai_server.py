@@ -21,6 +21,10 @@ Output control (``logit_bias``, ``response_format``, vLLM's ``structured_outputs
 ``allowed_token_ids``, ``bad_words``) is checked against the model here, before the request reaches
 the engine: grammars are compiled (and cached) on a worker thread, so a cold compile never stalls the
 engine loop, and an invalid schema, regex or bias is a 400 that no other request notices.
+
+Chat takes OpenAI's ``tools`` / ``tool_choice`` and returns ``tool_calls`` and ``reasoning_content``
+(`jpaged.agents`: forced calls decode under a grammar, ``"auto"`` output is parsed by
+``tool_call_parser``, the ``<think>`` part split off by ``reasoning_parser``).
 """
 import asyncio
 import contextlib
@@ -41,6 +45,8 @@ from starlette.requests import ClientDisconnect
 
 from jpaged.engine.async_engine import (AdmissionError, AsyncLLMEngine, EngineError, QueueFullError,
                                        RequestAbortedError)
+from jpaged.agents.chat_output import ChatOutputStream, parse_chat_output, tool_call_deltas
+from jpaged.agents.tools import constrained_params
 from jpaged.engine.chat_template import apply_chat_template
 from jpaged.entrypoints.metrics import ServerMetrics
 from jpaged.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
@@ -161,8 +167,17 @@ class OpenAIServing:
     """The request handlers, sharing the engine, the tokenizer and the model name."""
 
     def __init__(self, async_engine: AsyncLLMEngine, model_name: str, chat_template: str | None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None, enable_auto_tool_choice: bool = False):
+        from jpaged.agents.reasoning_parsers import get_reasoning_parser
+        from jpaged.agents.tool_parsers import get_tool_parser
+
         self.engine, self.model_name, self.chat_template = async_engine, model_name, chat_template
+        self.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
+        self.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
+        if enable_auto_tool_choice and self.tool_parser is None:
+            raise ValueError("enable_auto_tool_choice: needs a tool_call_parser")
+        self.auto_tool_choice = enable_auto_tool_choice
         self.tokenizer = async_engine.tokenizer
         self.max_body_bytes = max_body_bytes
         self.draining = False  # set by `drain`: new requests get a 503
@@ -472,12 +487,28 @@ class OpenAIServing:
             self.abort(streams)
 
     # Chat -----------------------------------------------------------------------------------------------
+    def _chat_inputs(self, body: ChatCompletionRequest):
+        """(prompt, sampling params, tool request) of a chat request, grammars compiled; ValueError
+        names the field. Runs on a worker thread."""
+        tool_request = body.tool_request()
+        if tool_request is not None and tool_request.choice == "auto" and not self.auto_tool_choice:
+            raise ValueError('tool_choice="auto" (the default with tools): needs the server started with '
+                             '--enable_auto_tool_choice --tool_call_parser; use "required", a named function or "none"')
+        params = body.sampling_params()
+        prompt = apply_chat_template(self.tokenizer, body.messages, self.chat_template, body.add_generation_prompt,
+                                     self.engine.check_text_length,
+                                     tools=tool_request.template_tools if tool_request else None)
+        params = constrained_params(params, tool_request, self.reasoning_parser, self.tokenizer,
+                                    self.engine.model_config.vocab_size)
+        return prompt, params, tool_request
+
+    def _chat_stream(self, tool_request) -> ChatOutputStream:
+        return ChatOutputStream(self.reasoning_parser, self.tool_parser, tool_request)
+
     async def chat(self, body: ChatCompletionRequest, raw: Request):
         self.check_model(body.model)
         try:
-            params = body.sampling_params()
-            prompt = await asyncio.to_thread(apply_chat_template, self.tokenizer, body.messages, self.chat_template,
-                                             body.add_generation_prompt, self.engine.check_text_length)
+            prompt, params, tool_request = await asyncio.to_thread(self._chat_inputs, body)
         except ValueError as e:
             raise bad_request(e, "messages", body.structured_param) from None
         await self.check_params(params, body)
@@ -486,22 +517,27 @@ class OpenAIServing:
                                    body.structured_param)
         base = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name}
         if body.stream:
-            return StreamingResponse(self.error_events(self._chat_events(body, streams[0], base)),
+            return StreamingResponse(self.error_events(self._chat_events(body, streams[0], base, tool_request)),
                                      media_type="text/event-stream")
         out = (await self.collect(streams, raw, body.structured_param))[0]
         top = body.top_logprobs or 0
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self.chat_logprobs(c.token_ids, c.logprobs, top) if body.logprobs else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                   for c in sorted(out.outputs, key=lambda c: c.index)]
+        choices = []
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            message = parse_chat_output(c.text, c.finish_reason, self.reasoning_parser, self.tool_parser, tool_request)
+            choices.append({"index": c.index, "message": message.to_openai(),
+                            "logprobs": self.chat_logprobs(c.token_ids, c.logprobs, top) if body.logprobs else None,
+                            "finish_reason": message.finish_reason, "stop_reason": c.stop_reason})
         usage = self.usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs),
                            out.num_cached_tokens)
         return {**base, "choices": choices, "usage": usage}
 
-    async def _chat_events(self, body: ChatCompletionRequest, stream, base: dict):
+    async def _chat_events(self, body: ChatCompletionRequest, stream, base: dict, tool_request=None):
+        """Chunks per step: ``content`` and ``reasoning_content`` deltas as they parse, the tool calls
+        (one chunk per ``tool_calls`` delta, each with its ``index``) when the choice ends."""
         base = {**base, "object": "chat.completion.chunk"}
         top = body.top_logprobs or 0
         prompt_tokens = completion_tokens = cached = 0
+        parsers = {j: self._chat_stream(tool_request) for j in range(body.n)}
         try:
             for j in range(body.n):
                 yield _sse({**base, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
@@ -513,11 +549,24 @@ class OpenAIServing:
                     if error is not None:
                         raise error
                     completion_tokens += len(c.token_ids)
-                    delta = {"content": c.text} if c.text else {}
+                    parser = parsers[c.index]
+                    delta, calls, finish_reason = parser.feed(c.text), [], c.finish_reason
+                    if c.finish_reason is not None:
+                        last, calls, finish_reason = parser.finish(c.finish_reason)
+                        for key, piece in last.items():
+                            delta[key] = delta.get(key, "") + piece
                     logprobs = self.chat_logprobs(c.token_ids, c.logprobs, top) if body.logprobs else None
-                    yield _sse({**base, "choices": [{"index": c.index, "delta": delta, "logprobs": logprobs,
-                                                     "finish_reason": c.finish_reason,
-                                                     "stop_reason": c.stop_reason}]})
+                    if delta or logprobs or not calls:
+                        yield _sse({**base, "choices": [{"index": c.index, "delta": delta, "logprobs": logprobs,
+                                                         "finish_reason": None if calls else finish_reason,
+                                                         "stop_reason": None if calls else c.stop_reason}]})
+                    for piece in tool_call_deltas(calls):
+                        yield _sse({**base, "choices": [{"index": c.index, "delta": {"tool_calls": [piece]},
+                                                         "logprobs": None, "finish_reason": None}]})
+                    if calls:
+                        yield _sse({**base, "choices": [{"index": c.index, "delta": {}, "logprobs": None,
+                                                         "finish_reason": finish_reason,
+                                                         "stop_reason": c.stop_reason}]})
             if body.include_usage:
                 yield _sse({**base, "choices": [], "usage": self.usage(prompt_tokens, completion_tokens, cached)})
         finally:
@@ -623,7 +672,8 @@ async def drain(app: FastAPI, timeout: float, poll: float = 0.05) -> int:
 def create_app(async_engine: AsyncLLMEngine, *, served_model_name: str, api_key: str | None = None,
                chat_template: str | None = None, metrics: ServerMetrics | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_origins=(),
-               enable_weight_updates: bool = False) -> FastAPI:
+               enable_weight_updates: bool = False, tool_call_parser: str | None = None,
+               reasoning_parser: str | None = None, enable_auto_tool_choice: bool = False) -> FastAPI:
     """The FastAPI app. Its shutdown (e.g. uvicorn's on SIGTERM) shuts the engine down; `drain`
     first lets the requests in flight finish.
 
@@ -633,12 +683,16 @@ def create_app(async_engine: AsyncLLMEngine, *, served_model_name: str, api_key:
     CORS preflights are answered and their responses carry ``Access-Control-Allow-Origin``; by
     default no page may. ``enable_weight_updates``: ``POST /update_weights``
     answers (else 403); the other training-loop routes are `training_routes`.
+    ``tool_call_parser`` reads ``tool_choice="auto"``
+    output (allowed only with ``enable_auto_tool_choice``); ``reasoning_parser`` splits off
+    ``reasoning_content`` (`jpaged.agents`).
     """
     allowed_origins = check_allowed_origins(allowed_origins)
     if metrics is None:
         metrics = ServerMetrics(async_engine, served_model_name)
         async_engine.on_output = metrics.on_output
-    serving = OpenAIServing(async_engine, served_model_name, chat_template, max_body_bytes)
+    serving = OpenAIServing(async_engine, served_model_name, chat_template, max_body_bytes, tool_call_parser,
+                            reasoning_parser, enable_auto_tool_choice)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

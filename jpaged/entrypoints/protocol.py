@@ -5,7 +5,8 @@ Unknown fields are ignored, as most OpenAI-compatible servers do. Beyond OpenAI'
 vLLM's names (``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``stop_token_ids``,
 ``ignore_eos``, ``include_stop_str_in_output``, ``skip_special_tokens``, ``allowed_token_ids``,
 ``bad_words``, ``structured_outputs``, ``prompt_logprobs`` for completions, ``cache_salt``; pass them
-with ``extra_body``).
+with ``extra_body``). Chat takes OpenAI's ``tools``, ``tool_choice`` and ``parallel_tool_calls``
+(checked in `jpaged.agents.tools`).
 """
 from typing import Any
 
@@ -129,6 +130,15 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[Any] | None = None          # OpenAI: [{"type": "function", "function": {name, description, parameters}}]
+    tool_choice: Any = None                  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
+    parallel_tool_calls: bool | None = None  # OpenAI's default: true
+
+    def tool_request(self):
+        """The checked tool fields (a ToolRequest), or None without tools; ValueError names the field."""
+        from jpaged.agents.tools import parse_tool_request
+
+        return parse_tool_request(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

@@ -3,6 +3,7 @@
   jpaged-serve                                             # embedded SmolLM2-135M-Instruct on :8000
   jpaged-serve --model path/to/hf_dir --host 0.0.0.0 --port 8000 --api_key sk-local
   jpaged-serve --config smollm2-135m-instruct --max_num_seqs 64 --max_queued_requests 256
+  jpaged-serve --model Qwen/Qwen3-0.6B --enable_auto_tool_choice --tool_call_parser hermes --reasoning_parser qwen3
 
 The engine loads and compiles its first step before the port opens, so ``GET /health`` answers 200
 as soon as it answers at all; then one line on stderr says so: ``jpaged: ready on
@@ -31,8 +32,17 @@ flags.DEFINE_string("api_key", os.environ.get("JPAGED_API_KEY"),
 flags.DEFINE_string("served_model_name", None, "Model name in the API (default: --model or --config)")
 flags.DEFINE_integer("max_queued_requests", None,
                      "Waiting requests beyond which new ones get a 503 (default: no limit)")
-flags.DEFINE_string("chat_template", None, "Jinja chat template (a file or the template itself); "
+flags.DEFINE_string("chat_template", None, "Jinja chat template (a file, the template itself, or "
+                    "`chatml_tools`: ChatML with hermes tool calls, for ChatML models without tool support); "
                     "default: the tokenizer's")
+flags.DEFINE_bool("enable_auto_tool_choice", False, 'Allow tool_choice="auto" (the OpenAI default with tools): '
+                  "the model's own tool-call format is parsed with --tool_call_parser")
+flags.DEFINE_enum("tool_call_parser", None, ["hermes", "llama3_json", "mistral", "pythonic"],
+                  "How the model writes tool calls: hermes (Qwen2.5/Qwen3, SmolLM3, Hermes), llama3_json "
+                  "(Llama 3.1/3.2), mistral ([TOOL_CALLS]), pythonic (Llama 3.2/4 pythonic, ToolACE)")
+flags.DEFINE_enum("reasoning_parser", None, ["deepseek_r1", "qwen3"],
+                  "Split the <think>...</think> part off as reasoning_content: deepseek_r1 (the template "
+                  "opens <think>), qwen3 (the output opens it)")
 flags.DEFINE_float("shutdown_timeout", 10.0, "Seconds in-flight requests get to finish after SIGTERM; "
                    "then they end with finish_reason=abort")
 flags.DEFINE_integer("max_request_body_bytes", 8 * 2**20, "Request bodies larger than this get a 413")
@@ -56,13 +66,18 @@ def build_app():
     kwargs.setdefault("precompile", True)  # no compilation inside a request's latency
     async_engine = AsyncLLMEngine.from_args(model, max_queued_requests=F.max_queued_requests, **kwargs)
     chat_template = F.chat_template
-    if chat_template and os.path.isfile(chat_template):
+    if chat_template == "chatml_tools":
+        from jpaged.agents.templates import CHATML_TOOLS_TEMPLATE
+
+        chat_template = CHATML_TOOLS_TEMPLATE
+    elif chat_template and os.path.isfile(chat_template):
         with open(chat_template) as f:
             chat_template = f.read()
     name = F.served_model_name or (model.rstrip("/") if model else DEFAULT_MODEL_NAME)
     return create_app(async_engine, served_model_name=name, api_key=F.api_key or None, chat_template=chat_template,
                       max_body_bytes=F.max_request_body_bytes, allowed_origins=allowed_origins,
-                      enable_weight_updates=F.enable_weight_updates)
+                      enable_weight_updates=F.enable_weight_updates, tool_call_parser=F.tool_call_parser,
+                      reasoning_parser=F.reasoning_parser, enable_auto_tool_choice=F.enable_auto_tool_choice)
 
 
 def ready_line(app, url: str) -> str:

@@ -127,7 +127,24 @@ def _first_line(error: str) -> str:
 def choice_regex(choices: list[str]) -> str:
     """The options as one regex alternation: a single lexeme, so that llguidance's parser sees one
     item however many options there are (as grammar alternatives, 2,000 overflow a parser row)."""
-    return "(" + "|".join("".join("\\" + ch if ch in REGEX_META else ch for ch in c) for c in choices) + ")"
+    return "(" + "|".join(_regex_escape(c) for c in choices) + ")"
+
+
+def json_after_marker(schema: dict, marker: str, prefix: str | None = None) -> str:
+    """A Lark grammar (llguidance's dialect): ``prefix`` if given, any text up to the first ``marker``,
+    optional whitespace, then JSON valid against ``schema``. A reasoning model thinks freely and the
+    constraint applies to its answer from ``</think>`` on."""
+    import json
+
+    end = _regex_escape(marker).replace("/", "\\/")
+    start = f"{json.dumps(prefix)} " if prefix else ""
+    return (f"start: {start}free_text /[ \\t\\r\\n]*/ answer\n"
+            f"free_text[lazy]: /(?s:.*){end}/\n"
+            f"answer: %json {json.dumps(schema)}\n")
+
+
+def _regex_escape(text: str) -> str:
+    return "".join("\\" + ch if ch in REGEX_META else ch for ch in text)
 
 
 def grammar_text(spec) -> str:
