@@ -31,6 +31,7 @@ class ScheduledSeq:
     spec_token_ids: list[int] = field(default_factory=list)
     num_lookahead_tokens: int = 0
     group_block_tables: list[list[int]] = field(default_factory=list)
+    lora_slot: int = 0  # the device slot of its request's LoRA adapter (0: the base model)
 
 
 @dataclass
@@ -73,6 +74,7 @@ class SchedulerOutput:
     ``num_steps`` > 1 makes it a decode window: every sequence decodes one token per step for that
     many steps on the device (``block_table``s already cover them), the sampled tokens fed back there.
     ``swap_out`` pairs are (device block, host block), ``swap_in`` pairs (host block, device block).
+    ``lora_loads``: LoRA adapters newly given a device slot, written before the step runs.
     """
 
     requests: list[ScheduledRequest] = field(default_factory=list)
@@ -85,6 +87,7 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     num_steps: int = 1
     preempted: list[str] = field(default_factory=list)
+    lora_loads: list[tuple[int, object]] = field(default_factory=list)  # (slot, LoRARequest) to fill first
 
     @property
     def num_tokens(self) -> int:
