@@ -7,12 +7,12 @@ input data, so switching adapters never recompiles). ``A`` is ``[num_slots, in, 
 (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA) is folded into ``B``, and slot 0 stays zero: the
 base model (and padding tokens). No weight is ever merged, so one step mixes adapters freely.
 
-Two ways to compute the delta, chosen per step shape (static):
-- ``gather`` (BGMV-style): each token's A and B slices gathered, then two batched vector-matrix
-  products; its work and memory grow with tokens x in x rank, the decode case.
-- ``ragged``: tokens sorted by slot (the order is computed on the host), then two
-  `jax.lax.ragged_dot` grouped matmuls over the slots' contiguous token groups (SGMV-style), for
-  prefill chunks.
+The delta is a segmented (SGMV-style) matmul: the tokens sorted by slot (the order computed on
+the host), two `jax.lax.ragged_dot` grouped matmuls over the slots' contiguous token groups, and
+the inverse permutation (`ragged_delta`). `gather_delta` (BGMV-style: each token's A and B slices
+gathered) computes the same; on the CPU it was as fast at 8 tokens of rank 16 and 4-20x slower at
+every larger decode or rank shape measured (docs/lora.md), since it reads ``tokens x in x rank``
+gathered weights where the grouped matmul reads each slot's once.
 """
 import dataclasses
 import functools
@@ -20,9 +20,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
-# Tokens up to which a step computes its deltas by gathering per-token slices (docs/lora.md).
-GATHER_MAX_TOKENS = 64
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -76,8 +73,6 @@ class LoRAStack(nnx.Module):
 
 def lora_delta(x, a, b, inputs: LoRAInputs):
     """``x[t] @ a[slot[t]] @ b[slot[t]]`` for each token t: x [T, in], a [G, in, r], b [G, r, out]."""
-    if x.shape[0] <= GATHER_MAX_TOKENS:
-        return gather_delta(x, a, b, inputs.slots)
     return ragged_delta(x, a, b, inputs)
 
 
@@ -115,13 +110,16 @@ def lora_targets(model) -> list[tuple[int, nnx.Module, dict[str, nnx.Module]]]:
     return out
 
 
-def attach_lora(model, num_slots: int, max_rank: int, dtype) -> dict[tuple[int, str], tuple[int, int]]:
-    """Gives every LoRA-capable block of ``model`` its zero slot stacks; returns the (in, out)
-    shape of each (layer, projection) that can take an adapter."""
+def attach_lora(model, num_slots: int, max_rank: int, dtype, abstract: bool = False
+                ) -> dict[tuple[int, str], tuple[int, int]]:
+    """Gives every LoRA-capable block of ``model`` its zero slot stacks (``abstract``: shapes
+    only, for a model made by `nnx.eval_shape`); returns the (in, out) shape of each (layer,
+    projection) that can take an adapter."""
     shapes = {}
     for i, part, linears in lora_targets(model):
         dims = {n: tuple(lin.kernel.shape) for n, lin in linears.items()}
-        part.lora = nnx.data(LoRAStack(dims, num_slots, max_rank, dtype))
+        make = lambda: LoRAStack(dims, num_slots, max_rank, dtype)  # noqa: E731
+        part.lora = nnx.data(nnx.eval_shape(make) if abstract else make())
         shapes.update({(i, n): d for n, d in dims.items()})
     if not shapes:
         raise ValueError(f"enable_lora: {type(model).__name__} has no projections LoRA can target "
