@@ -275,3 +275,64 @@ print("RESULT", json.dumps([[s.name, s.ok, s.error] for s in result.steps]))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     steps = json.loads(done.stdout.split("RESULT ", 1)[1])
     assert steps and all(ok for _, ok, _ in steps), steps
+
+
+@pytest.mark.slow
+def test_server_serves_adapters_by_model_name(llama_dir, adapters, tmp_path):
+    """``--lora_modules`` adapters and the base model under their own names, listed in /v1/models;
+    adapters loaded and unloaded while serving, behind the API key; OpenAI error bodies."""
+    from fastapi.testclient import TestClient
+
+    from jpaged import LLM
+    from jpaged.engine.async_engine import AsyncLLMEngine
+    from jpaged.entrypoints.lora_adapters import parse_lora_modules
+    from jpaged.entrypoints.openai_server import create_app
+
+    llm = LLM(llama_dir[0], enable_lora=True, max_loras=1, max_lora_rank=16, num_kv_blocks=64,
+              max_num_seqs=4, max_num_batched_tokens=64)
+    prompt = [5, 9, 14, 3]
+    reqs = requests_of(adapters)
+    expected = {}  # the offline API's text (its tokens the oracle's), which the server must return
+    for name, lora, oracle in (("all", reqs["all"], adapters["all"][1]), ("tiny", None, llama_dir[1]),
+                               ("attn", reqs["attn"], adapters["attn"][1])):
+        out = llm.generate([prompt], greedy(6), use_tqdm=False, lora_request=lora)[0].outputs[0]
+        assert out.token_ids == hf_greedy(oracle, prompt, 6)[0]
+        expected[name] = out.text
+    engine = AsyncLLMEngine(llm.llm_engine)
+    modules = parse_lora_modules([f"all={adapters['all'][0]}"])
+    app = create_app(engine, served_model_name="tiny", api_key="k", lora_modules=modules)
+    auth = {"Authorization": "Bearer k"}
+    body = dict(prompt=prompt, max_tokens=6, min_tokens=6, temperature=0)
+
+    def text_of(response):
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+
+
+    with TestClient(app) as client:
+        assert client.get("/v1/models").status_code == 401
+        assert [m["id"] for m in client.get("/v1/models", headers=auth).json()["data"]] == ["tiny", "all"]
+        adapter_text = text_of(client.post("/v1/completions", json=dict(body, model="all"), headers=auth))
+        assert adapter_text == expected["all"]
+        base_text = text_of(client.post("/v1/completions", json=dict(body, model="tiny"), headers=auth))
+        assert base_text == expected["tiny"] and base_text != adapter_text
+        missing = client.post("/v1/completions", json=dict(body, model="attn"), headers=auth)
+        assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+
+        load = dict(lora_name="attn", lora_path=adapters["attn"][0])
+        assert client.post("/v1/load_lora_adapter", json=load).status_code == 401
+        assert client.post("/v1/load_lora_adapter", json=load, headers=auth).status_code == 200
+        again = client.post("/v1/load_lora_adapter", json=load, headers=auth)
+        assert again.status_code == 400 and "already loaded" in again.json()["error"]["message"]
+        bad = client.post("/v1/load_lora_adapter", json=dict(lora_name="bad", lora_path=str(tmp_path / "none")),
+                          headers=auth)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
+        assert "attn" in [m["id"] for m in client.get("/v1/models", headers=auth).json()["data"]]
+        got = text_of(client.post("/v1/completions", json=dict(body, model="attn"), headers=auth))
+        assert got == expected["attn"]
+
+        assert client.post("/v1/unload_lora_adapter", json={"lora_name": "attn"}, headers=auth).status_code == 200
+        assert client.post("/v1/completions", json=dict(body, model="attn"), headers=auth).status_code == 404
+        assert client.post("/v1/unload_lora_adapter", json={"lora_name": "attn"}, headers=auth).status_code == 404
+        m = engine.call(engine.engine.get_metrics).result(timeout=30)
+        assert m["num_free_blocks"] == m["num_total_blocks"] and m["lora_slots_in_use"] == 0

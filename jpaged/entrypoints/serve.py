@@ -35,6 +35,8 @@ flags.DEFINE_string("chat_template", None, "Jinja chat template (a file or the t
 flags.DEFINE_float("shutdown_timeout", 10.0, "Seconds in-flight requests get to finish after SIGTERM; "
                    "then they end with finish_reason=abort")
 flags.DEFINE_integer("max_request_body_bytes", 8 * 2**20, "Request bodies larger than this get a 413")
+flags.DEFINE_multi_string("lora_modules", [], "LoRA adapters served under their own model names, each "
+                          "name=path (a PEFT directory); needs --enable_lora")
 flags.DEFINE_enum("log_level", "info", ["critical", "error", "warning", "info", "debug"], "uvicorn log level")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -43,6 +45,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 def build_app():
     """Loads the engine (warm-up included) and returns the FastAPI app."""
     from jpaged.engine.async_engine import AsyncLLMEngine
+    from jpaged.entrypoints.lora_adapters import parse_lora_modules
     from jpaged.entrypoints.openai_server import create_app
 
     model, kwargs = llm_args()
@@ -54,7 +57,7 @@ def build_app():
             chat_template = f.read()
     name = F.served_model_name or (model.rstrip("/") if model else DEFAULT_MODEL_NAME)
     return create_app(async_engine, served_model_name=name, api_key=F.api_key or None, chat_template=chat_template,
-                      max_body_bytes=F.max_request_body_bytes)
+                      max_body_bytes=F.max_request_body_bytes, lora_modules=parse_lora_modules(F.lora_modules))
 
 
 FLUSH_SECONDS = 5.0  # after a drain, what the connections get to send their last chunks
