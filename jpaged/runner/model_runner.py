@@ -206,8 +206,14 @@ class ModelRunner:
         from jpaged.lora.device_slots import write_slot
 
         model = nnx.merge(self.graphdef, self.state)
-        for slot, request in loads:
-            write_slot(model, slot, self.lora.adapter(request))
+        try:
+            adapters = [(slot, self.lora.adapter(request)) for slot, request in loads]  # a re-read may fail
+        except Exception:
+            for slot, _ in loads:
+                self.lora.slots.forget_slot(slot)
+            raise
+        for slot, adapter in adapters:
+            write_slot(model, slot, adapter)
         self.state = nnx.split(model)[1]
         if self.pieces is not None:
             self.pieces.layer_leaves = [jax.tree.leaves(nnx.split(layer)[1])
