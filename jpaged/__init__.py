@@ -17,6 +17,7 @@ _EXPORTS = {
     "CompletionOutput": "jpaged.outputs",
     "BeamSearchOutput": "jpaged.outputs",
     "RequestMetrics": "jpaged.outputs",
+    "LoRARequest": "jpaged.lora.request",
 }
 __all__ = list(_EXPORTS)
 

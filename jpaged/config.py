@@ -224,6 +224,15 @@ class EngineConfig:
                 "'processed_logprobs' (or 'processed'), the distribution each token was sampled from (after "
                 "logit bias, masks, penalties, temperature, top-k/top-p/min-p)",
         "choices": tuple(LOGPROBS_MODES)})
+    enable_lora: bool = field(default=False, metadata={
+        "help": "Serve LoRA adapters (PEFT directories) beside the base model, chosen per request "
+                "(docs/lora.md)."})
+    max_loras: int = field(default=1, metadata={
+        "help": "LoRA adapters held on the device at once (its adapter slots); one step mixes any of them."})
+    max_lora_rank: int = field(default=16, metadata={
+        "help": "The largest LoRA rank served; every device slot is this rank (smaller ones zero-padded)."})
+    max_cpu_loras: int | None = field(default=None, metadata={
+        "help": "LoRA adapters kept loaded in host memory (least recently used evicted); None: max_loras."})
 
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -251,4 +260,18 @@ class EngineConfig:
         self.logprobs_mode = LOGPROBS_MODES[self.logprobs_mode]
         if not isinstance(self.enable_expert_parallel, bool):
             _fail("EngineConfig", "enable_expert_parallel", self.enable_expert_parallel, "must be True or False")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        if not isinstance(self.enable_lora, bool):
+            _fail("EngineConfig", "enable_lora", self.enable_lora, "must be True or False")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                _fail("EngineConfig", name, value, "must be an integer >= 1")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        elif isinstance(self.max_cpu_loras, bool) or not isinstance(self.max_cpu_loras, int) \
+                or self.max_cpu_loras < self.max_loras:
+            _fail("EngineConfig", "max_cpu_loras", self.max_cpu_loras, f"must be an integer >= max_loras={self.max_loras}")
 

@@ -69,10 +69,11 @@ class LLM:
             return [list(prompts)]
         return list(prompts)
 
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
         """Generates for every prompt; outputs in prompt order.
 
         Every prompt is validated before any is queued: a bad one raises ValueError and nothing runs.
+        ``lora_request``: one `LoRARequest` for every prompt, or one (or None) per prompt.
         """
         prompts = self._prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -84,12 +85,12 @@ class LLM:
         else:
             raise ValueError(f"sampling_params: expected SamplingParams or a list of them, "
                              f"got {type(sampling_params).__name__}")
-        return self._generate(prompts, params, use_tqdm)
+        return self._generate(prompts, params, use_tqdm, lora_request)
 
     def chat(self, messages, sampling_params=None, *, chat_template: str | None = None,
              add_generation_prompt: bool = True, use_tqdm: bool = True, tools: list[dict] | None = None,
              tool_choice=None, parallel_tool_calls: bool | None = None, tool_call_parser: str = "hermes",
-             reasoning_parser: str | None = None) -> list[RequestOutput]:
+             reasoning_parser: str | None = None, lora_request=None) -> list[RequestOutput]:
         """Generates replies to one conversation (a list of ``{"role", "content"}`` dicts) or to a
         list of them, each rendered with ``chat_template`` or the tokenizer's own (GGUF metadata or
         ``tokenizer_config.json``); ValueError when there is none. One output per conversation.
@@ -127,7 +128,7 @@ class LLM:
         sampling_params = [constrained_params(p, tool_request, reasoning, self.get_tokenizer(),
                                               engine.model_config.vocab_size)
                            if isinstance(p, SamplingParams) else p for p in sampling_params]
-        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         for out in outputs:
             for c in out.outputs:
                 message = parse_chat_output(c.text, c.finish_reason, reasoning, tool_parser, tool_request)
@@ -136,12 +137,13 @@ class LLM:
                 c.tool_calls = [t.to_openai() for t in message.tool_calls] or None
         return outputs
 
-    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False,
+                    lora_request=None) -> list[BeamSearchOutput]:
         """Beam search for each prompt inside the engine (beams share blocks); beams best first."""
         prompts = self._prompt_list(prompts)
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params: expected BeamSearchParams, got {type(params).__name__}")
-        outputs = self._generate(prompts, [params] * len(prompts), use_tqdm)
+        outputs = self._generate(prompts, [params] * len(prompts), use_tqdm, lora_request)
         return [BeamSearchOutput(o.prompt_token_ids,
                                  [BeamSequence(c.token_ids, c.text, c.cumulative_logprob, c.score) for c in o.outputs])
                 for o in outputs]
@@ -185,22 +187,32 @@ class LLM:
                   for out, p in zip(outputs, prompts)]
         return scores[0] if single else scores
 
-    def _generate(self, prompts, params, use_tqdm: bool) -> list[RequestOutput]:
+    @staticmethod
+    def _lora_list(lora_request, num_prompts: int) -> list:
+        """One `LoRARequest` (or None) per prompt."""
+        if isinstance(lora_request, (list, tuple)):
+            if len(lora_request) != num_prompts:
+                raise ValueError(f"lora_request: {len(lora_request)} given for {num_prompts} prompts")
+            return list(lora_request)
+        return [lora_request] * num_prompts
+
+    def _generate(self, prompts, params, use_tqdm: bool, lora_request=None) -> list[RequestOutput]:
+        loras = self._lora_list(lora_request, len(prompts))
         with self._lock:
-            ids = self._add_all(prompts, params)
+            ids = self._add_all(prompts, params, loras)
             try:
                 return self._run(ids, use_tqdm)
             finally:  # on an exception or an interrupt: nothing of this call stays queued
                 for request_id in ids:
                     self.llm_engine.abort_request(request_id)
 
-    def _add_all(self, prompts, params) -> list[str]:
+    def _add_all(self, prompts, params, loras) -> list[str]:
         """Processes every prompt first (a bad one raises and nothing is queued), then queues them."""
         engine = self.llm_engine
         requests = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
+        for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras)):
             try:
-                requests.append(engine.process(str(self._next_id + i), prompt, p))
+                requests.append(engine.process(str(self._next_id + i), prompt, p, lora_request=lora))
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
         self._next_id += len(requests)

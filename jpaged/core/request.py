@@ -84,6 +84,8 @@ class Request:
     bad_word_ids: list[list[int]] = field(default_factory=list)  # bad_words, tokenized
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.time()))
     prompt_logprobs: list[dict[int, float] | None] | None = None  # filled by sample.prompt_logprobs
+    lora_request: object | None = None  # a `jpaged.lora.LoRARequest`: the adapter it runs with
+    lora_slot: int | None = None        # the device slot it pins while running (the scheduler's)
 
     def __post_init__(self):
         if not self.seqs:

@@ -31,8 +31,10 @@ from jpaged.core.speculation import Speculation
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCache, *, max_model_len: int,
                  preemption_mode: str = "recompute", swap_capacity_blocks: int = 0, seed: int = 0,
-                 speculative_config=None):
+                 speculative_config=None, lora_slots=None):
+        """``lora_slots``: a `jpaged.lora.LoRASlotTable` when the engine serves LoRA adapters."""
         self.config = config
+        self.lora_slots = lora_slots
         self.speculation = None if speculative_config is None else Speculation(speculative_config, kv_cache,
                                                                                max_model_len)
         self.kv_cache = kv_cache
@@ -86,7 +88,10 @@ class Scheduler:
                 break
             cached = self._cached_prefix(request)
             n = self._num_new_tokens(request, budget, len(cached[0]) * self.kv_cache.block_size if cached else 0)
-            if n <= 0 or self.kv_cache.allocate_slots(seqs, n, cached, request.cache_salt) is None:
+            if n <= 0 or not self._pin_lora(request):  # no free adapter slot: it waits
+                break
+            if self.kv_cache.allocate_slots(seqs, n, cached, request.cache_salt) is None:
+                self._unpin_lora(request)
                 break
             self.waiting.popleft()
             if cached is not None:
@@ -99,6 +104,8 @@ class Scheduler:
         if self.speculation is not None:  # with what is left of the budget and the free blocks
             self.speculation.add_proposals(out, {r.request_id: r for r in scheduled}, budget)
         out.block_copies = self.kv_cache.take_pending_copies()
+        if self.lora_slots is not None:
+            out.lora_loads = self.lora_slots.take_loads()
         rows = [(self.requests[out.seqs[r.seq_row].request_id], self._row_seq(out, r), r.sample_index)
                 for r in out.sample_rows]
         out.sampling = build_sampling_batch(rows, self.seed)
@@ -181,7 +188,7 @@ class Scheduler:
             start = seq.num_computed_tokens
             table, group_tables = self._tables(seq)
             out.seqs.append(ScheduledSeq(request.request_id, seq.seq_id, seq.token_ids[start:start + n], start,
-                                         table, group_block_tables=group_tables))
+                                         table, group_block_tables=group_tables, lora_slot=request.lora_slot or 0))
             row = len(out.seqs) - 1
             out.prompt_logprob_rows += [PromptLogprobRow(row, p, seq.token_ids[p + 1], k)
                                         for p in prompt_logprobs.wanted(request, seq, start, n)]
@@ -189,6 +196,20 @@ class Scheduler:
                 indices = range(request.sampling_params.n) if first_of_many else [seq.index]
                 out.sample_rows += [SampleRow(row, index) for index in indices]
         return n * len(seqs)
+
+    # LoRA: a running request pins its adapter's device slot
+    def _pin_lora(self, request: Request) -> bool:
+        """Pins a device slot for the request's adapter (True without one); False when every slot
+        is pinned by running requests."""
+        if request.lora_request is None or request.lora_slot is not None:
+            return True
+        request.lora_slot = self.lora_slots.acquire(request.lora_request)
+        return request.lora_slot is not None
+
+    def _unpin_lora(self, request: Request) -> None:
+        if request.lora_slot is not None:
+            self.lora_slots.release(request.lora_slot)
+            request.lora_slot = None
 
     # KV-cache groups: a model with sliding-window layers may keep several block tables per sequence
     def _tables(self, seq: Sequence) -> tuple[list[int], list[list[int]]]:
@@ -213,6 +234,7 @@ class Scheduler:
             self.kv_cache.free(seq)
             if pairs is None:
                 seq.num_computed_tokens = 0
+        self._unpin_lora(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -225,6 +247,7 @@ class Scheduler:
             for seq in request.seqs:
                 self.kv_cache.free(seq)
                 seq.num_computed_tokens = 0
+            self._unpin_lora(request)
             self.waiting.appendleft(request)
 
     # Phase 2: apply the step's results -----------------------------------------------------------
@@ -369,6 +392,7 @@ class Scheduler:
     def finish(self, request: Request) -> None:
         """Frees a finished or aborted request, wherever it is (its host copy too)."""
         self.swap_space.free(request.request_id)
+        self._unpin_lora(request)
         for seq in request.seqs:
             self.kv_cache.free(seq)
         self.requests.pop(request.request_id, None)

@@ -31,6 +31,7 @@ class ScheduledSeq:
     spec_token_ids: list[int] = field(default_factory=list)
     num_lookahead_tokens: int = 0
     group_block_tables: list[list[int]] = field(default_factory=list)
+    lora_slot: int = 0  # the device slot of its request's LoRA adapter (0: the base model)
 
 
 @dataclass
@@ -76,6 +77,7 @@ class SchedulerOutput:
     Prefix-cache tiers (`jpaged.core.kv_offload`): ``kv_stores`` are (device block, prefix-cache
     key) of cached blocks evicted this step, read before anything the step writes; ``kv_loads``
     (device block, the block's arrays) fill free blocks with tier hits before the step runs.
+    ``lora_loads``: LoRA adapters newly given a device slot, written before the step runs.
     """
 
     requests: list[ScheduledRequest] = field(default_factory=list)
@@ -90,6 +92,7 @@ class SchedulerOutput:
     kv_loads: list[tuple[int, tuple]] = field(default_factory=list)
     num_steps: int = 1
     preempted: list[str] = field(default_factory=list)
+    lora_loads: list[tuple[int, object]] = field(default_factory=list)  # (slot, LoRARequest) to fill first
 
     @property
     def num_tokens(self) -> int:

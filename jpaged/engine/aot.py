@@ -115,12 +115,17 @@ def _placed(tree, sharding_of):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding_of(x)), tree)
 
 
-def abstract_state(config: ModelConfig, mesh, *, dtype, quantization: str | None, expert_parallel: bool = False):
+def abstract_state(config: ModelConfig, mesh, *, dtype, quantization: str | None, expert_parallel: bool = False,
+                   lora: tuple[int, int] | None = None):
     """(graphdef, state, KV-cache layout): the model's parameters as structs placed by
-    `sharding.param_spec`, and its layers' KV-cache groups."""
+    `sharding.param_spec`, and its layers' KV-cache groups. ``lora``: (adapter slots incl. slot
+    0, max rank) of the LoRA slot stacks to attach (`jpaged.models.lora.attach_lora`)."""
     tp = mesh.shape[sharding.MODEL_AXIS]
     model = abstract_model(config, dtype=dtype, attention_backend="pallas", quantization=quantization,
                            expert_parallel=expert_parallel)
+    if lora is not None:
+        from jpaged.models.lora import attach_lora
+        attach_lora(model, *lora, dtype, abstract=True)
     layout = kv_cache_layout(attention_windows(model))
     graphdef, state = nnx.split(model)
 
@@ -138,17 +143,18 @@ def abstract_caches(config: ModelConfig, mesh, *, num_tensors: int, num_blocks: 
     return [layer] * num_tensors
 
 
-def step_arguments(step, buckets: StepBuckets, mesh, layout: KVCacheLayout, processed_logprobs: bool = False):
+def step_arguments(step, buckets: StepBuckets, mesh, layout: KVCacheLayout, processed_logprobs: bool = False,
+                   num_lora_slots: int = 0):
     """The step's inputs as the runner builds them (`prepare_inputs`, the pallas metadata with
-    every KV-cache group's tables, the padded sampling tensors of the engine's ``logprobs_mode``),
-    as replicated structs."""
-    inputs = prepare_inputs(step, buckets, layout.num_groups)
+    every KV-cache group's tables and the LoRA slots, the padded sampling tensors of the engine's
+    ``logprobs_mode``), as replicated structs."""
+    inputs = prepare_inputs(step, buckets, layout.num_groups, num_lora_slots)
     md = make_attention_metadata("pallas", positions=inputs.positions, slot_mapping=inputs.slot_mapping,
                                  query_start_loc=inputs.query_start_loc, seq_lens=inputs.seq_lens,
                                  block_tables=inputs.block_tables, num_seqs=inputs.num_seqs,
                                  group_slot_mappings=inputs.group_slot_mappings,
                                  group_block_tables=inputs.group_block_tables,
-                                 kv_layout=None if layout.is_trivial else layout.layers)
+                                 kv_layout=None if layout.is_trivial else layout.layers, lora=inputs.lora)
     args = (inputs.input_ids, md, inputs.logits_indices, None,
             sampling_tensors(step.sampling, inputs.num_rows, processed_logprobs))
     return _placed(args, lambda _: sharding.replicated(mesh))
@@ -222,8 +228,10 @@ def compile_engine(model_config: ModelConfig, config: EngineConfig, target: str,
     dtype, kv_dtype = resolve_dtypes(config, device.platform)
     mc, _ = kv_replicated_config(model_config, tp)
     max_model_len = sc.max_model_len or mc.max_position_embeddings
+    num_lora_slots = config.max_loras + 1 if config.enable_lora else 0
     graphdef, state, layout = abstract_state(mc, mesh, dtype=dtype, quantization=config.quantization,
-                                             expert_parallel=config.enable_expert_parallel)
+                                             expert_parallel=config.enable_expert_parallel,
+                                             lora=(num_lora_slots, config.max_lora_rank) if num_lora_slots else None)
     weight_bytes = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
                        for x in jax.tree.leaves(state))
     per_block = kv_pool.bytes_per_block(num_layers=layout.num_tensors, num_kv_heads=mc.num_kv_heads,
@@ -247,7 +255,8 @@ def compile_engine(model_config: ModelConfig, config: EngineConfig, target: str,
             processed = config.logprobs_mode == "processed_logprobs"
             results = []
             for step in steps:
-                results.append(compile_step(fn, state, caches, step_arguments(step, buckets, mesh, layout, processed),
+                results.append(compile_step(fn, state, caches, step_arguments(step, buckets, mesh, layout, processed,
+                                                                          num_lora_slots),
                                             device, step_name(step)))
                 if progress is not None:
                     progress(results[-1])

@@ -185,11 +185,12 @@ class AsyncLLMEngine:
         """ValueError when ``text`` is too long to be a prompt (the input processor's bound)."""
         self.engine.input_processor.check_text_length(text, field)
 
-    def process(self, request_id, prompt, params=None, *, cache_salt: str | None = None) -> Request:
+    def process(self, request_id, prompt, params=None, *, cache_salt: str | None = None,
+                lora_request=None) -> Request:
         """The validated request (ValueError for a bad one), from any thread: the engine's input
-        processing, off the loop thread."""
+        processing, off the loop thread. ``lora_request``: the `LoRARequest` it runs with."""
         request_id = uuid.uuid4().hex if request_id is None else str(request_id)
-        return self.engine.process(request_id, prompt, params, cache_salt=cache_salt)
+        return self.engine.process(request_id, prompt, params, cache_salt=cache_salt, lora_request=lora_request)
 
     # State -------------------------------------------------------------------------------------------
     @property

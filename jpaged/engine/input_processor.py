@@ -5,6 +5,7 @@ raises ``ValueError`` naming the field and nothing else changes. It reads only s
 start-up (the tokenizer, the model's vocabulary, the pool size), so it may run on any thread.
 """
 import functools
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +17,8 @@ from jpaged.sample import beam_search
 from jpaged.sample.structured_output import compile_grammar
 from jpaged.sampling_params import BeamSearchParams, SamplingParams, bad_word_token_ids
 from jpaged.utils import check_text
+
+_PROCESS_NONCE = os.urandom(8).hex()  # in LoRA requests' cache salt (disk-tier entries are per process)
 
 
 @dataclass
@@ -152,16 +155,21 @@ class InputProcessor:
         self.check_pool_room(n, params)
 
     def process(self, request_id: str, prompt, params: SamplingParams | BeamSearchParams | None = None, *,
-                cache_salt: str | None = None) -> Request:
+                cache_salt: str | None = None, lora_request=None, lora=None) -> Request:
         """The request, validated, its bad words tokenized and its grammar compiled (cached);
         ``prompt`` may carry its own ``cache_salt`` (``{"prompt_token_ids": ..., "cache_salt": ...}``).
-        With `BeamSearchParams` it is a beam search (beams scheduled together)."""
+        With `BeamSearchParams` it is a beam search (beams scheduled together). ``lora_request``: a
+        `LoRARequest`, checked (its adapter read) by ``lora``, the engine's `LoRAManager`."""
         params = SamplingParams() if params is None else params
         text, token_ids, salt = self.tokenize(prompt)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt: expected a string, got {type(cache_salt).__name__}")
         check_text(cache_salt, "cache_salt")
         self.validate(token_ids, params)
+        if lora_request is not None:
+            if lora is None:
+                raise ValueError("lora_request: this engine serves no adapters (start it with enable_lora=True)")
+            lora.check(lora_request)
         grammar, bad_word_ids = None, []
         if isinstance(params, SamplingParams):
             grammar, bad_word_ids = self._compile(params)
@@ -174,8 +182,13 @@ class InputProcessor:
         cache_salt = cache_salt if cache_salt is not None else salt
         if params.prompt_logprobs is not None:  # cached blocks are never run: skip the cache
             cache_salt = f"{cache_salt}/prompt_logprobs/{request_id}"
+        if lora_request is not None:  # blocks computed under one adapter are never another's, nor,
+            # on the disk tier, those of an adapter loaded under the same name by another process
+            cache_salt = (f"{cache_salt}/lora/{lora_request.lora_int_id}/{lora_request.lora_name}/"
+                          f"{_PROCESS_NONCE}")
         request = Request(str(request_id), text, token_ids, params, eos_token_ids=self.eos_token_ids,
-                          cache_salt=cache_salt, beam=beam, grammar=grammar, bad_word_ids=bad_word_ids)
+                          cache_salt=cache_salt, beam=beam, grammar=grammar, bad_word_ids=bad_word_ids,
+                          lora_request=lora_request)
         request.seqs[0].max_tokens = min(params.max_tokens or self.max_model_len, self.max_model_len - len(token_ids))
         return request
 

@@ -32,6 +32,7 @@ class LLMEngine:
         self.attention_backend, self.model_config = parts.attention_backend, parts.model_config
         self.tokenizer, self.max_model_len, self.num_blocks = parts.tokenizer, parts.max_model_len, parts.num_blocks
         self.kv_cache, self.scheduler, self.runner = parts.kv_cache, parts.scheduler, parts.runner
+        self.lora = parts.lora  # the LoRAManager with enable_lora, else None
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
                                               self.num_blocks, config.cache.block_size, config.scheduler,
                                               parts.eos_token_ids, config.speculative_config, parts.kv_layout,
@@ -65,19 +66,21 @@ class LLMEngine:
 
     # Requests ---------------------------------------------------------------------------------------
     def process(self, request_id: str, prompt, sampling_params: SamplingParams | BeamSearchParams | None = None,
-                *, cache_salt: str | None = None) -> Request:
-        """A validated request, not queued yet (`InputProcessor.process`; safe from any thread)."""
+                *, cache_salt: str | None = None, lora_request=None) -> Request:
+        """A validated request, not queued yet (`InputProcessor.process`; safe from any thread);
+        ``lora_request``: the `LoRARequest` it runs with."""
         self._check_awake()
-        return self.input_processor.process(request_id, prompt, sampling_params, cache_salt=cache_salt)
+        return self.input_processor.process(request_id, prompt, sampling_params, cache_salt=cache_salt,
+                                            lora_request=lora_request, lora=self.lora)
 
     def add_request(self, request_id: str | Request, prompt=None,
                     sampling_params: SamplingParams | BeamSearchParams | None = None, *,
-                    cache_salt: str | None = None) -> Request:
+                    cache_salt: str | None = None, lora_request=None) -> Request:
         """Queues a request (a `Request` from `process`, or an id with its prompt and parameters);
         with `BeamSearchParams` it is a beam search. ``prompt`` may carry its own ``cache_salt``."""
         self._check_awake()
         request = request_id if isinstance(request_id, Request) else self.process(
-            request_id, prompt, sampling_params, cache_salt=cache_salt)
+            request_id, prompt, sampling_params, cache_salt=cache_salt, lora_request=lora_request)
         self.scheduler.add_request(request)
         return request
 
@@ -248,4 +251,5 @@ class LLMEngine:
             "attention_backend": self.attention_backend,
             **({} if self.scheduler.speculation is None else self.scheduler.speculation.stats.as_metrics()),
             **({} if getattr(pool, "offload", None) is None else pool.offload.metrics()),
+            **({} if self.lora is None else self.lora.metrics()),
         }

@@ -56,6 +56,7 @@ class EngineParts:
     kv_cache: object         # KVCacheManager (HybridKVCacheManager for several groups), or a baseline
     scheduler: Scheduler
     runner: ModelRunner
+    lora: object = None      # the LoRAManager with enable_lora
 
 
 def _field_names(cls, *exclude) -> set[str]:
@@ -255,6 +256,11 @@ def build(config: EngineConfig, model=None, tokenizer=None, devices=None) -> Eng
     if spec is not None and spec.method == "draft_model":
         draft = load_draft_model(spec, mc, dtype=dtype, attention_backend=backend, mesh=mesh,
                                  max_model_len=max_model_len)
+    lora = None
+    if config.enable_lora:  # the model's slot stacks, before the runner places its state
+        from jpaged.lora.manager import LoRAManager
+        lora = LoRAManager(model, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                           max_cpu_loras=config.max_cpu_loras, dtype=dtype)
     layout = kv_cache_layout(attention_windows(model))
     if draft is not None and layout.group_windows[0] is not None:
         raise ValueError(f"speculative_config (method='draft_model'): the draft model reads the block table of "
@@ -289,7 +295,8 @@ def build(config: EngineConfig, model=None, tokenizer=None, devices=None) -> Eng
     swap_blocks = cc.swap_space_bytes // per_block if cc.preemption_mode == "swap" else 0
     scheduler = Scheduler(sc, kv_cache, max_model_len=max_model_len, preemption_mode=cc.preemption_mode,
                           swap_capacity_blocks=swap_blocks, seed=config.seed,
-                          speculative_config=config.speculative_config)
+                          speculative_config=config.speculative_config,
+                          lora_slots=None if lora is None else lora.slots)
     pool = kv_pool.KVPool(num_layers=layout.num_tensors, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
                           num_blocks=num_blocks, block_size=cc.block_size, dtype=kv_dtype, mesh=mesh,
                           num_host_blocks=swap_blocks, counter=CompileCounter())
@@ -307,11 +314,11 @@ def build(config: EngineConfig, model=None, tokenizer=None, devices=None) -> Eng
     runner = ModelRunner(model, pool, buckets, mesh=mesh, dtype=dtype, max_decode_window=sc.num_scheduler_steps,
                          whole_step=mesh.devices.flat[0].platform in ("tpu", "gpu"), drafter=drafter,
                          kv_layout=layout, kv_offload=offload,
-                         processed_logprobs=config.logprobs_mode == "processed_logprobs")
+                         processed_logprobs=config.logprobs_mode == "processed_logprobs", lora=lora)
     with phase("warm-up (compiling the step shapes)"):
         precompile.warm_up(runner, max_tokens=sc.max_num_batched_tokens, max_seqs=sc.max_num_seqs,
                            precompile=config.precompile, decode_windows=sc.num_scheduler_steps > 1)
     return EngineParts(mesh=mesh, dtype=dtype, kv_cache_dtype=kv_dtype, attention_backend=backend, model_config=mc,
                        tokenizer=tokenizer, max_model_len=max_model_len, eos_token_ids=eos, num_blocks=num_blocks,
                        kv_bytes_per_block=per_block, max_model_len_note=max_model_len_note,
-                       kv_layout=layout, kv_cache=kv_cache, scheduler=scheduler, runner=runner)
+                       kv_layout=layout, kv_cache=kv_cache, scheduler=scheduler, runner=runner, lora=lora)

@@ -48,10 +48,12 @@ from jpaged.engine.async_engine import (AdmissionError, AsyncLLMEngine, EngineEr
 from jpaged.agents.chat_output import ChatOutputStream, parse_chat_output, tool_call_deltas
 from jpaged.agents.tools import constrained_params
 from jpaged.engine.chat_template import apply_chat_template
+from jpaged.entrypoints.lora_adapters import ServedAdapters, add_lora_routes
 from jpaged.entrypoints.metrics import ServerMetrics
 from jpaged.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from jpaged.logger import logger
 from jpaged.entrypoints.training_routes import TRAINING_ROUTES, add_training_routes
+from jpaged.lora.request import LoRARequest
 from jpaged.utils import invalid_text_path, release_free_host_memory
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20  # a request body larger than this is a 413
@@ -181,6 +183,7 @@ class OpenAIServing:
         self.tokenizer = async_engine.tokenizer
         self.max_body_bytes = max_body_bytes
         self.draining = False  # set by `drain`: new requests get a 503
+        self.adapters = ServedAdapters(getattr(getattr(async_engine, "engine", None), "lora", None), model_name)
         self._token_text: dict[int, str] = {}
 
     async def parse(self, raw: Request, model: type[pydantic.BaseModel]):
@@ -196,10 +199,16 @@ class OpenAIServing:
             release_free_host_memory()  # what a large body took goes back to the OS
 
     # Helpers --------------------------------------------------------------------------------------------
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist (this server serves `{self.model_name}`).",
-                           param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter that ``model`` names (None: the base model); 404 for an unknown name."""
+        if model is None or model == self.model_name:
+            return None
+        adapter = self.adapters.by_name.get(model)
+        if adapter is None:
+            raise APIError(404, f"The model `{model}` does not exist (this server serves `{self.model_name}`"
+                           f"{''.join(f', `{n}`' for n in self.adapters.by_name)}).", param="model",
+                           code="model_not_found")
+        return adapter
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -217,7 +226,8 @@ class OpenAIServing:
             raise bad_request(e, structured_param=body.structured_param) from None
 
     async def start(self, request_id: str, prompts: list, params, delta: bool, prompt_param: str,
-                    cache_salt: str | None = None, structured_param: str = "structured_outputs") -> list:
+                    cache_salt: str | None = None, structured_param: str = "structured_outputs",
+                    lora_request: LoRARequest | None = None) -> list:
         """Adds one engine request per prompt; all accepted, or none (then the APIError). Each is
         processed (tokenized, validated, its grammar compiled into the shared cache) on a worker
         thread, off the event loop and the engine loop."""
@@ -226,7 +236,7 @@ class OpenAIServing:
         for i, prompt in enumerate(prompts):
             try:
                 requests.append(await asyncio.to_thread(self.engine.process, f"{request_id}-{i}", prompt, params,
-                                                        cache_salt=cache_salt))
+                                                        cache_salt=cache_salt, lora_request=lora_request))
             except ValueError as e:
                 raise bad_request(ValueError(f"prompt[{i}]: {e}" if len(prompts) > 1 else str(e)),
                                   prompt_param, structured_param) from None
@@ -400,7 +410,7 @@ class OpenAIServing:
 
     # Completions -------------------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, raw: Request):
-        self.check_model(body.model)
+        lora_request = self.check_model(body.model)
         try:
             params = body.sampling_params()
             prompts = body.prompts()
@@ -409,9 +419,9 @@ class OpenAIServing:
         await self.check_params(params, body)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self.start(request_id, prompts, params, body.stream, "prompt", body.cache_salt,
-                                   body.structured_param)
+                                   body.structured_param, lora_request)
         created = int(time.time())
-        base = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
+        base = {"id": request_id, "object": "text_completion", "created": created, "model": body.model or self.model_name}
         if body.stream:
             return StreamingResponse(self.error_events(self._completion_events(body, streams, base)),
                                      media_type="text/event-stream")
@@ -506,7 +516,7 @@ class OpenAIServing:
         return ChatOutputStream(self.reasoning_parser, self.tool_parser, tool_request)
 
     async def chat(self, body: ChatCompletionRequest, raw: Request):
-        self.check_model(body.model)
+        lora_request = self.check_model(body.model)
         try:
             prompt, params, tool_request = await asyncio.to_thread(self._chat_inputs, body)
         except ValueError as e:
@@ -514,8 +524,9 @@ class OpenAIServing:
         await self.check_params(params, body)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self.start(request_id, [prompt], params, body.stream, "messages", body.cache_salt,
-                                   body.structured_param)
-        base = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name}
+                                   body.structured_param, lora_request)
+        base = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+                "model": body.model or self.model_name}
         if body.stream:
             return StreamingResponse(self.error_events(self._chat_events(body, streams[0], base, tool_request)),
                                      media_type="text/event-stream")
@@ -579,7 +590,7 @@ class OpenAIServing:
         max_model_len = getattr(self.engine, "max_model_len", None)
         if max_model_len is not None:
             card["max_model_len"] = max_model_len
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card] + self.adapters.cards()}
 
 
 class APIKeyMiddleware:
@@ -673,7 +684,8 @@ def create_app(async_engine: AsyncLLMEngine, *, served_model_name: str, api_key:
                chat_template: str | None = None, metrics: ServerMetrics | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_origins=(),
                enable_weight_updates: bool = False, tool_call_parser: str | None = None,
-               reasoning_parser: str | None = None, enable_auto_tool_choice: bool = False) -> FastAPI:
+               reasoning_parser: str | None = None, enable_auto_tool_choice: bool = False,
+               lora_modules=()) -> FastAPI:
     """The FastAPI app. Its shutdown (e.g. uvicorn's on SIGTERM) shuts the engine down; `drain`
     first lets the requests in flight finish.
 
@@ -693,6 +705,8 @@ def create_app(async_engine: AsyncLLMEngine, *, served_model_name: str, api_key:
         async_engine.on_output = metrics.on_output
     serving = OpenAIServing(async_engine, served_model_name, chat_template, max_body_bytes, tool_call_parser,
                             reasoning_parser, enable_auto_tool_choice)
+    for name, path in lora_modules:  # (name, path) pairs: --lora_modules; a bad one fails the start
+        serving.adapters.load(name, path)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -749,6 +763,8 @@ def create_app(async_engine: AsyncLLMEngine, *, served_model_name: str, api_key:
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
         return await serving.chat(await serving.parse(raw, ChatCompletionRequest), raw)
+
+    add_lora_routes(app, serving, lambda status, message, param: APIError(status, message, param=param))
 
     @app.get("/metrics")
     async def prometheus_metrics():

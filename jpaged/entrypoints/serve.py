@@ -51,6 +51,8 @@ flags.DEFINE_list("allowed_origins", None, "Web origins whose pages may call the
                   "are answered; default: none")
 flags.DEFINE_bool("enable_weight_updates", False, "Serve POST /update_weights (new weights from a path on "
                   "this machine's disk; behind --api_key); off: 403")
+flags.DEFINE_multi_string("lora_modules", [], "LoRA adapters served under their own model names, each "
+                          "name=path (a PEFT directory); needs --enable_lora")
 flags.DEFINE_enum("log_level", "info", ["critical", "error", "warning", "info", "debug"], "uvicorn log level")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -59,6 +61,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 def build_app():
     """Loads the engine (warm-up included) and returns the FastAPI app."""
     from jpaged.engine.async_engine import AsyncLLMEngine
+    from jpaged.entrypoints.lora_adapters import parse_lora_modules
     from jpaged.entrypoints.openai_server import check_allowed_origins, create_app
 
     allowed_origins = check_allowed_origins(F.allowed_origins or ())  # a bad one fails before the model loads
@@ -77,7 +80,8 @@ def build_app():
     return create_app(async_engine, served_model_name=name, api_key=F.api_key or None, chat_template=chat_template,
                       max_body_bytes=F.max_request_body_bytes, allowed_origins=allowed_origins,
                       enable_weight_updates=F.enable_weight_updates, tool_call_parser=F.tool_call_parser,
-                      reasoning_parser=F.reasoning_parser, enable_auto_tool_choice=F.enable_auto_tool_choice)
+                      reasoning_parser=F.reasoning_parser, enable_auto_tool_choice=F.enable_auto_tool_choice,
+                      lora_modules=parse_lora_modules(F.lora_modules))
 
 
 def ready_line(app, url: str) -> str:

@@ -50,7 +50,7 @@ from jpaged_kernels.platform import target_platform
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["slot_mapping", "block_tables", "seq_lens", "query_start_loc",
-                                "num_seqs", "positions", "group_slot_mappings", "group_block_tables"],
+                                "num_seqs", "positions", "group_slot_mappings", "group_block_tables", "lora"],
                    meta_fields=["decode_only", "kv_layout"])
 @dataclasses.dataclass
 class AttentionMetadata:
@@ -68,6 +68,7 @@ class AttentionMetadata:
       with one group; group 0's are ``slot_mapping`` and ``block_tables``).
     kv_layout (static): (group, pool tensor) of each layer, or None: layer i uses group 0 and
       tensor i.
+    lora: each token's adapter slot and the slot grouping (`jpaged.models.lora.LoRAInputs`), or None.
     """
 
     slot_mapping: jax.Array
@@ -78,6 +79,7 @@ class AttentionMetadata:
     positions: jax.Array
     group_slot_mappings: jax.Array | None = None
     group_block_tables: jax.Array | None = None
+    lora: object = None  # a `jpaged.models.lora.LoRAInputs` when the model serves adapters
     decode_only: bool = False
     kv_layout: tuple[tuple[int, int], ...] | None = None
 
@@ -91,7 +93,7 @@ class AttentionMetadata:
 
 def make_attention_metadata(backend: str, *, positions, slot_mapping, query_start_loc, seq_lens,
                             block_tables, num_seqs, group_slot_mappings=None, group_block_tables=None,
-                            kv_layout=None) -> AttentionMetadata:
+                            kv_layout=None, lora=None) -> AttentionMetadata:
     """The step's metadata for ``backend`` from host arrays the runner already padded.
 
     Padding: slot -1, seq_len 0, query_start_loc repeating the real token count, block-table rows 0.
@@ -106,7 +108,7 @@ def make_attention_metadata(backend: str, *, positions, slot_mapping, query_star
                              seq_lens=i32(seq_lens), query_start_loc=qsl,
                              num_seqs=np.array(num_seqs, np.int32), positions=i32(positions),
                              group_slot_mappings=i32(group_slot_mappings),
-                             group_block_tables=i32(group_block_tables), decode_only=decode_only,
+                             group_block_tables=i32(group_block_tables), lora=lora, decode_only=decode_only,
                              kv_layout=None if kv_layout is None else tuple(map(tuple, kv_layout)))
 
 

@@ -35,6 +35,7 @@ class LlamaAttention(nnx.Module):
         scale = None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar ** -0.5
         self.attn = PagedAttention(c.num_heads, c.num_kv_heads, c.head_dim, scale=scale, backend=backend,
                                    sliding_window=c.window_of(layer), logits_soft_cap=c.attn_logit_softcap)
+        self.lora = None  # a `jpaged.models.lora.LoRAStack` when served with enable_lora
 
     @staticmethod
     def output_bias(c: ModelConfig) -> bool:
@@ -44,6 +45,8 @@ class LlamaAttention(nnx.Module):
     def __call__(self, x, cos, sin, kv_cache, md: AttentionMetadata):
         t = x.shape[0]
         q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        if self.lora is not None:
+            q, k, v = (self.lora.add(name, x, y, md.lora) for name, y in (("q_proj", q), ("k_proj", k), ("v_proj", v)))
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
@@ -51,7 +54,10 @@ class LlamaAttention(nnx.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         out, kv_cache = self.attn(q, k, v, kv_cache, md)
-        return self.o_proj(out.reshape(t, -1)), kv_cache
+        out = out.reshape(t, -1)
+        if self.lora is None:
+            return self.o_proj(out), kv_cache
+        return self.lora.add("o_proj", out, self.o_proj(out), md.lora), kv_cache
 
     @staticmethod
     def hf_weight_map(c: ModelConfig, path: tuple, prefix: str, qk_norm: bool):
@@ -74,10 +80,17 @@ class LlamaMLP(nnx.Module):
         self.up_proj = linear(c.hidden_size, size, False, dtype, rngs)
         self.down_proj = linear(size, c.hidden_size, False, dtype, rngs)
         self.act = activation(c.hidden_act)
+        self.lora = None  # a `jpaged.models.lora.LoRAStack` when served with enable_lora
 
-    def __call__(self, x):
+    def __call__(self, x, lora_inputs=None):
+        """``lora_inputs``: the step's `LoRAInputs` (None: no adapters)."""
         gate, up = project(x, self.gate_proj, self.up_proj)
-        return self.down_proj(self.act(gate) * up)
+        if self.lora is None or lora_inputs is None:
+            return self.down_proj(self.act(gate) * up)
+        gate = self.lora.add("gate_proj", x, gate, lora_inputs)
+        up = self.lora.add("up_proj", x, up, lora_inputs)
+        h = self.act(gate) * up
+        return self.lora.add("down_proj", h, self.down_proj(h), lora_inputs)
 
     @staticmethod
     def hf_weight_map(path: tuple, prefix: str):
@@ -95,7 +108,10 @@ class LlamaDecoderLayer(nnx.Module):
     def __call__(self, x, cos, sin, kv_cache, md):
         h, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, md)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+        h = self.post_attention_layernorm(x)
+        if getattr(self.mlp, "lora", None) is not None:  # a dense MLP served with adapters
+            return x + self.mlp(h, md.lora), kv_cache
+        return x + self.mlp(h), kv_cache
 
 
 class LlamaForCausalLM(nnx.Module):

@@ -4,13 +4,16 @@ Tokens of every scheduled sequence are laid end to end (``query_start_loc`` mark
 sequence starts); padding tokens write nowhere (slot -1), padding sequences have length 0 and
 ``query_start_loc`` repeating the real token count, block-table rows of padding are block 0, and
 so are the entries a sliding window released (-1 on the host: the attention never reads them).
-A model with several KV-cache groups gets a block table and slot mapping per group.
+A model with several KV-cache groups gets a block table and slot mapping per group. A model
+served with LoRA adapters gets each token's adapter slot (padding: slot 0, the base model) and the
+tokens' order by slot (`lora_inputs`).
 """
 from dataclasses import dataclass
 
 import numpy as np
 
 from jpaged.core.scheduler_output import SchedulerOutput
+from jpaged.models.lora import LoRAInputs
 from jpaged.runner.buckets import StepBuckets
 from jpaged.utils import pad_rows
 
@@ -30,6 +33,7 @@ class StepInputs:
     prompt_logprob_indices: list[int]  # the token row of each prompt-logprob row
     group_slot_mappings: np.ndarray | None = None  # int32 [G-1, T]: KV-cache groups 1.. (None: one group)
     group_block_tables: np.ndarray | None = None   # int32 [G-1, S, B]
+    lora: LoRAInputs | None = None  # each token's adapter slot and the slot grouping (None: no LoRA)
 
     @property
     def num_rows(self) -> int:
@@ -43,9 +47,21 @@ def _slots(table: list[int], positions: np.ndarray, block_size: int) -> np.ndarr
     return blocks * block_size + positions % block_size
 
 
-def prepare_inputs(out: SchedulerOutput, buckets: StepBuckets, num_groups: int = 1) -> StepInputs:
+def lora_inputs(token_slots: np.ndarray, num_slots: int) -> LoRAInputs:
+    """The `LoRAInputs` of a step whose (padded) tokens use these adapter slots."""
+    slots = np.asarray(token_slots, np.int32)
+    order = np.argsort(slots, kind="stable").astype(np.int32)
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(len(order), dtype=np.int32)
+    return LoRAInputs(slots=slots, order=order, inverse=inverse,
+                      group_sizes=np.bincount(slots, minlength=num_slots).astype(np.int32))
+
+
+def prepare_inputs(out: SchedulerOutput, buckets: StepBuckets, num_groups: int = 1,
+                   num_lora_slots: int = 0) -> StepInputs:
     """The step's arrays; ``num_groups``: the model's KV-cache groups (each sequence brings a table
-    for every group after the first in ``group_block_tables``)."""
+    for every group after the first in ``group_block_tables``); ``num_lora_slots``: the model's
+    adapter slots including slot 0 (0: served without LoRA)."""
     bs = buckets.block_size
     input_ids, positions, seq_lens = [], [], []
     slots, tables = [[] for _ in range(num_groups)], [[] for _ in range(num_groups)]
@@ -72,6 +88,11 @@ def prepare_inputs(out: SchedulerOutput, buckets: StepBuckets, num_groups: int =
     qsl[:s + 1] = query_start_loc
     ids = np.zeros(t_pad, np.int32)
     ids[:t] = input_ids
+    lora = None
+    if num_lora_slots:
+        token_slots = np.zeros(t_pad, np.int32)
+        token_slots[:t] = np.repeat([seq.lora_slot for seq in out.seqs], np.diff(query_start_loc))
+        lora = lora_inputs(token_slots, num_lora_slots)
     sampled = [query_start_loc[r.seq_row] + len(out.seqs[r.seq_row].token_ids) - 1 + r.spec_index
                for r in out.sample_rows]
     rows = np.zeros(buckets.rows(len(sampled), t_pad), np.int32)
@@ -88,4 +109,5 @@ def prepare_inputs(out: SchedulerOutput, buckets: StepBuckets, num_groups: int =
         prompt_logprob_indices=[query_start_loc[r.seq_row] + r.position - out.seqs[r.seq_row].start
                                 for r in out.prompt_logprob_rows],
         group_slot_mappings=np.stack(slot_mappings[1:]) if num_groups > 1 else None,
-        group_block_tables=np.stack(block_tables[1:]) if num_groups > 1 else None)
+        group_block_tables=np.stack(block_tables[1:]) if num_groups > 1 else None,
+        lora=lora)

@@ -77,17 +77,21 @@ class ModelRunner:
 
     def __init__(self, model, kv_pool: KVPool, buckets: StepBuckets, *, mesh, dtype, max_decode_window: int = 1,
                  whole_step: bool = False, drafter=None, kv_layout: KVCacheLayout | None = None,
-                 kv_offload=None, processed_logprobs: bool = False):
+                 kv_offload=None, processed_logprobs: bool = False,
+                 lora=None):
         """``dtype``: the model's activations. ``whole_step``: one jitted function per step
         (accelerators), else layer pieces where the model has them. ``max_decode_window``: the most
         decode steps one window runs. ``drafter``: a `DraftModelProposer` (speculative decoding
         with a draft model), run after each step. ``kv_layout``: the KV-cache groups (default: one
         group, a pool tensor per layer). ``kv_offload``: the prefix-cache tiers' `KVOffload`, which
         keeps the blocks a step stores. ``processed_logprobs``: logprobs of the distribution
-        sampled from (``logprobs_mode="processed_logprobs"``), else the model's."""
+        sampled from (``logprobs_mode="processed_logprobs"``), else the model's. ``lora``: the `LoRAManager` of a model served with
+        adapters (its slot stacks attached), whose newly assigned slots each step writes first."""
         self.processed_logprobs = processed_logprobs
         self.config, self.dtype = model.config, dtype
         self.kv_offload = kv_offload
+        self.lora = lora
+        self.num_lora_slots = 0 if lora is None else lora.num_slots
         self.drafter = drafter
         self.kv_pool, self.buckets, self.mesh = kv_pool, buckets, mesh
         self.kv_layout = kv_layout or kv_cache_layout([None] * model.config.num_layers)
@@ -195,12 +199,14 @@ class ModelRunner:
         for pool in self.kv_pools:
             pool.swap_in(out.swap_in)
             pool.copy_blocks(out.block_copies)
-        inputs = prepare_inputs(out, self.buckets, self.kv_layout.num_groups)
+        self.write_lora_slots(out.lora_loads)
+        inputs = prepare_inputs(out, self.buckets, self.kv_layout.num_groups, self.num_lora_slots)
         md = make_attention_metadata(self.attention_backend, positions=inputs.positions,
                                      slot_mapping=inputs.slot_mapping, query_start_loc=inputs.query_start_loc,
                                      seq_lens=inputs.seq_lens, block_tables=inputs.block_tables,
                                      num_seqs=inputs.num_seqs, group_slot_mappings=inputs.group_slot_mappings,
-                                     group_block_tables=inputs.group_block_tables, kv_layout=self._md_layout)
+                                     group_block_tables=inputs.group_block_tables, kv_layout=self._md_layout,
+                                     lora=inputs.lora)
         sampling = sampling_tensors(out.sampling, inputs.num_rows, self.processed_logprobs)
         n = len(out.sample_rows)
         prepared = time.perf_counter()
@@ -253,6 +259,35 @@ class ModelRunner:
         logits, prompt_out = self.counter.call("head", self._head, p.shell_state, hidden, prompt_hidden,
                                                prompt_lp, num_fixed=1)
         return self.counter.call("sample", self._sample, logits, sampling), prompt_out
+
+    # LoRA adapters ---------------------------------------------------------------------------------------
+    def write_lora_slots(self, loads) -> None:
+        """Writes each (slot, LoRARequest) adapter into its device slot: new arrays of the same
+        shapes in the state the jitted pieces take, so nothing recompiles."""
+        if not loads:
+            return
+        from jpaged.lora.device_slots import write_slot
+
+        model = nnx.merge(self.graphdef, self.state)
+        try:
+            adapters = [(slot, self.lora.adapter(request)) for slot, request in loads]  # a re-read may fail
+        except Exception:
+            for slot, _ in loads:
+                self.lora.slots.forget_slot(slot)
+            raise
+        for slot, adapter in adapters:
+            write_slot(model, slot, adapter)
+        self.state = nnx.split(model)[1]
+        if self.pieces is not None:
+            self.pieces.layer_leaves = [jax.tree.leaves(nnx.split(layer)[1])
+                                        for layer in getattr(model, model.DECODER_LAYERS)]
+
+    def _lora_padding(self, num_tokens: int):
+        """The `LoRAInputs` of a step of padding tokens alone (None without LoRA)."""
+        if not self.num_lora_slots:
+            return None
+        from jpaged.runner.inputs import lora_inputs
+        return lora_inputs(np.zeros(num_tokens, np.int32), self.num_lora_slots)
 
     # The jitted functions' parameters ------------------------------------------------------------------
     @property
@@ -313,7 +348,8 @@ class ModelRunner:
                 query_start_loc=np.zeros(s_pad + 1), seq_lens=np.zeros(s_pad), num_seqs=0,
                 block_tables=np.zeros((s_pad, b_pad)), kv_layout=self._md_layout,
                 group_slot_mappings=np.full((more, t_pad), -1) if more else None,
-                group_block_tables=np.zeros((more, s_pad, b_pad)) if more else None)
+                group_block_tables=np.zeros((more, s_pad, b_pad)) if more else None,
+                lora=self._lora_padding(t_pad))
             for batch in plain_sampling(rows):
                 with jax.set_mesh(self.mesh):
                     _, self.kv_pool.caches = self.counter.call(
