@@ -2,6 +2,8 @@
 import os
 
 import numpy as np
+import logging
+
 import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -130,3 +132,27 @@ def jpaged_caplog(caplog):
     caplog.set_level(logging.INFO, logger="jpaged")
     yield caplog
     logger.removeHandler(caplog.handler)
+
+
+class JpagedLog(logging.Handler):
+    """The "jpaged" logger's messages while it is attached, at INFO and up (the logger does not
+    propagate once an engine has configured it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        logger = logging.getLogger("jpaged")
+        self.level = logger.level
+        logger.addHandler(self)
+        logger.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc):
+        logger = logging.getLogger("jpaged")
+        logger.removeHandler(self)
+        logger.setLevel(self.level)

@@ -2,35 +2,12 @@
 holds for one sequence (logged once), a set one larger than a byte-budget pool holds is refused at
 start naming both numbers, and a request too long for the pool is refused naming what to set and by
 how much (``max_tokens``, the pool's ``num_kv_blocks`` / ``kv_cache_memory_bytes``)."""
-import logging
 
 import pytest
 
+from conftest import JpagedLog
 from jpaged import LLM, SamplingParams
 from jpaged.core.kv_cache_layout import kv_cache_layout
-
-
-class Records(logging.Handler):
-    """The "jpaged" logger's messages while it is attached (the logger does not propagate)."""
-
-    def __init__(self):
-        super().__init__()
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-    def __enter__(self):
-        logger = logging.getLogger("jpaged")
-        self.level = logger.level
-        logger.addHandler(self)
-        logger.setLevel(logging.INFO)
-        return self
-
-    def __exit__(self, *exc):
-        logger = logging.getLogger("jpaged")
-        logger.removeHandler(self)
-        logger.setLevel(self.level)
 
 
 def assert_all_free(llm):
@@ -52,7 +29,7 @@ def test_max_tokens_per_seq_inverts_max_blocks_per_seq():
 def test_unset_max_model_len_is_capped_to_the_pool(llama_dir):
     """The model's 2048 positions, a pool of 4 blocks of 8: max_model_len 32, and a request without
     max_tokens (up to max_model_len) runs to it instead of being refused."""
-    with Records() as log:
+    with JpagedLog() as log:
         llm = LLM(llama_dir[0], num_kv_blocks=4, block_size=8)
     assert llm.llm_engine.max_model_len == 32
     assert ("max_model_len capped from 2048 to 32: the KV pool holds 4 blocks of 8 tokens; "

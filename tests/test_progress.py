@@ -2,11 +2,11 @@
 terminal, a slow phase says what it is doing, precompile reports its step shapes on stderr, and the
 kernel-choice log line names its subject once."""
 import io
-import logging
 import time
 
 import pytest
 
+from conftest import JpagedLog
 from jpaged import progress
 
 
@@ -16,27 +16,6 @@ class FakeClock:
 
     def __call__(self):
         return self.now
-
-
-class Records(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-    def __enter__(self):
-        logger = logging.getLogger("jpaged")
-        self.level = logger.level
-        logger.addHandler(self)
-        logger.setLevel(logging.INFO)
-        return self
-
-    def __exit__(self, *exc):
-        logger = logging.getLogger("jpaged")
-        logger.removeHandler(self)
-        logger.setLevel(self.level)
 
 
 def test_count_progress_lines_are_delayed_rate_bounded_and_estimate_time_left():
@@ -63,7 +42,7 @@ def test_count_progress_is_silent_for_a_short_wait():
 
 
 def test_slow_phase_says_what_it_is_doing_and_a_fast_one_nothing():
-    with Records() as log:
+    with JpagedLog() as log:
         with progress.phase("loading slow", delay=0.05):
             time.sleep(0.3)
         with progress.phase("loading fast", delay=5):
@@ -92,7 +71,7 @@ def test_kernel_choice_log_names_the_choice_once():
     key = "matmul [8] x [8] rows<=8"
     measure._entries()[key] = {"cpp": True, "cpp_ms": 1.0, "xla_ms": 2.0}
     try:
-        with Records() as log:
+        with JpagedLog() as log:
             measure._log("matmul [8] x [8]", [key], "cached in")
     finally:
         measure._choices.pop(key)
