@@ -124,8 +124,16 @@ def test_custom_model_paged_matches_dense_and_survives_orbax(tmp_path):
     model = example.build_model(seed=1)
     ckpt = orbax_checkpoint.save_checkpoint(model, str(tmp_path / "custom"))
     prompt = [9, 8, 7, 6, 5, 4, 3]
-    served = LLM(ckpt, **ENGINE).generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM(ckpt, **ENGINE)
+    served = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert served == greedy_generate(model, prompt, GREEDY.max_tokens)
+    # a model without Hugging Face names takes new weights as its state, not as a name dict
+    with pytest.raises(ValueError, match="hf_weight_map"):
+        llm.update_weights({"model.embed_tokens.weight": np.zeros(3)})
+    other = example.build_model(seed=2)
+    llm.update_weights(nnx.state(other))
+    served = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert served == greedy_generate(other, prompt, GREEDY.max_tokens)
 
 
 def test_dense_view_needs_paged_attention():

@@ -71,7 +71,10 @@ class WeightTargets:
                             jax.tree_util.tree_flatten_with_path(nnx.state(nnx.merge(graphdef, state), nnx.Param))[0]}
         model = nnx.merge(graphdef, state)
         self.canonical = getattr(model, "canonical_hf_name", lambda n: n)
-        self.hf_map = {name: (tuple(path), transpose) for path, name, transpose in model.hf_weight_map()}
+        # a custom NNX model (``LLM.from_model``) may have no Hugging Face names: None, then only
+        # its own state or an orbax checkpoint updates it
+        self.hf_map = None if not hasattr(model, "hf_weight_map") else {
+            name: (tuple(path), transpose) for path, name, transpose in model.hf_weight_map()}
 
     def state(self, leaves: dict):
         """The model state with ``leaves`` ({path: array}, every leaf) in the engine's structure."""
@@ -112,6 +115,9 @@ class WeightTargets:
         """{path: placed array} from ``{hf_parameter_name: array}`` (every name of the model's map).
         ``ignore_unknown``: names outside the map are skipped, as the loader skips them in a
         checkpoint file (a tied ``lm_head.weight``, an old ``rotary_emb.inv_freq``)."""
+        if self.hf_map is None:
+            raise ValueError("weights: this model has no Hugging Face parameter names (hf_weight_map); "
+                             "pass its nnx.State instead")
         by_name = {self.canonical(str(name)): x for name, x in named.items()}
         extra = sorted(n for n in by_name if n not in self.hf_map)
         if extra and not ignore_unknown:
