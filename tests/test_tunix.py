@@ -6,7 +6,7 @@ Tunix pins packages the main environment has newer, so it lives in the venv of
 JSON line of results) and the pytest side checks them. A missing venv fails the test with the
 setup command; ``JPAGED_SKIP_TUNIX=1`` skips it instead.
 
-Checked: with the same weights, jpaged's greedy completions and logprobs equal Tunix's vanilla
+Checked: with the same weights (Llama3; Qwen2 and Qwen3 greedy only), jpaged's greedy completions and logprobs equal Tunix's vanilla
 rollout (its own sampler on the same NNX model), before training and after every weight sync of
 the GRPO loop (the weights must change between syncs, so the check cannot pass on stale ones);
 ``get_per_token_logps`` equals Tunix's own ``compute_per_token_logps``; the loss is finite and
@@ -39,14 +39,19 @@ def _tokenizer():
 
 
 def _tiny_llama3(seed: int):
-    """A random Tunix Llama3 whose parameters have margins (normal 0.15, norms near 1)."""
-    import jax
-    from flax import nnx
     from tunix.models.llama3 import model as llama3
 
-    config = llama3.ModelConfig(num_layers=2, vocab_size=256, embed_dim=64, hidden_dim=128, num_heads=4,
-                                head_dim=16, num_kv_heads=2, rope_theta=10_000, norm_eps=1e-6)
-    model = llama3.Llama3(config, rngs=nnx.Rngs(seed))
+    return _tiny(llama3, llama3.Llama3, seed)
+
+
+def _tiny(module, cls, seed: int, **extra):
+    """A random tiny Tunix model whose parameters have margins (normal 0.15, norms near 1)."""
+    import jax
+    from flax import nnx
+
+    config = module.ModelConfig(num_layers=2, vocab_size=256, embed_dim=64, hidden_dim=128, num_heads=4,
+                                head_dim=16, num_kv_heads=2, rope_theta=10_000, norm_eps=1e-6, **extra)
+    model = cls(config, rngs=nnx.Rngs(seed))
     key = jax.random.key(seed)
     for i, (path, var) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.Param))):
         noise = jax.random.normal(jax.random.fold_in(key, i), var.shape, var.dtype)
@@ -94,6 +99,26 @@ def _compare(jpaged_rollout, model, tokenizer) -> dict:
             "texts_equal": ours.text == theirs.text, "logprob_diff": lp_diff,
             "score_diff": float(np.max(np.abs(score_ours - score_theirs) * mask)),
             "tokens": [t.tolist() for t in ours.tokens]}
+
+
+def _other_families(tokenizer) -> dict:
+    """Greedy parity with the vanilla rollout for the other mapped families (Qwen2: q/k/v biases;
+    Qwen3: q/k norms, tied embeddings)."""
+    from tunix.generate import tokenizer_adapter
+    from tunix.models.qwen2 import model as qwen2
+    from tunix.models.qwen3 import model as qwen3
+
+    from jpaged.integrations.tunix import JpagedRollout
+
+    results = {}
+    for name, module, cls, extra in (("Qwen2", qwen2, qwen2.Qwen2, {}),
+                                     ("Qwen3", qwen3, qwen3.Qwen3, {"use_tied_embedding": True})):
+        model = _tiny(module, cls, 1, **extra)
+        rollout = JpagedRollout(rollout_actor=model, tokenizer=tokenizer_adapter.TokenizerAdapter(tokenizer),
+                                mesh=None, rollout_config=_greedy_config(), num_kv_blocks=64, block_size=8,
+                                max_num_seqs=16)
+        results[name] = _compare(rollout, model, tokenizer)
+    return results
 
 
 def run_in_tunix_venv() -> dict:
@@ -157,7 +182,7 @@ def run_in_tunix_venv() -> dict:
     losses = [float(x) for x in logged.get_metric_history("actor", "loss", "train")]
     reward_means = [float(x) for x in logged.get_metric_history("rewards", "score/mean", "train")]
     metrics = cluster.rollout.llm.get_metrics()
-    return {"initial": initial, "syncs": syncs, "rewards": rewards, "reward_means": reward_means,
+    return {"families": _other_families(tokenizer), "initial": initial, "syncs": syncs, "rewards": rewards, "reward_means": reward_means,
             "losses": losses,
             "free_blocks": metrics["num_free_blocks"], "total_blocks": metrics["num_total_blocks"],
             "global_steps": cluster.global_steps}
@@ -203,6 +228,8 @@ def test_grpo_loop_with_jpaged_rollout():
     assert len(set(result["rewards"])) > 1, "constant rewards: GRPO would not move the weights"
     assert result["losses"] and all(abs(x) < float("inf") for x in result["losses"]), result["losses"]
     assert result["free_blocks"] == result["total_blocks"], "KV blocks leaked"
+    for family, compare in result["families"].items():
+        _assert_matches(compare, family)
 
 
 if __name__ == "__main__":
