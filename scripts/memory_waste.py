@@ -46,18 +46,23 @@ LABELS = {"tokens": "token states", "reserved": "reserved", "internal": "interna
 PAPER_TOKEN_SHARE = {"max": "20.4%", "pow2": "26.8%", "oracle": "38.2%", "paged": "96.3%"}
 
 F = flags.FLAGS
-flags.DEFINE_list("workload", ["sharegpt-like", "alpaca-like"], "Workloads from scripts/workloads.py")
-flags.DEFINE_list("allocator", list(ALLOCATORS), "Allocators to compare")
-flags.DEFINE_integer("num_requests", None, "Requests per workload (default: the workload's own)")
-flags.DEFINE_float("length_scale", 1.0, "Multiplies every prompt and output length (as benchmark_throughput)")
-flags.DEFINE_integer("num_kv_blocks", 1024, "Pool size in blocks, the same for every allocator")
-flags.DEFINE_integer("block_size", 16, "Tokens per block")
-flags.DEFINE_integer("max_model_len", 2048, "The model's maximum length (what `max` reserves)")
-flags.DEFINE_integer("max_num_seqs", 256, "Scheduler: sequences per step")
-flags.DEFINE_integer("max_num_batched_tokens", 2048, "Scheduler: tokens per step")
-flags.DEFINE_integer("vocab_size", 32000, "Vocabulary the prompts are drawn from (bench-llama's)")
-flags.DEFINE_integer("seed", 0, "Workload seed")
-flags.DEFINE_string("out_dir", os.path.join(REPO_ROOT, "docs"), "Where the PNG goes ('' for none)")
+
+
+def define_flags() -> None:
+    """The script's flags (defined when it runs, so that importing its functions defines none:
+    tests import it beside modules that define --block_size, --seed, ...)."""
+    flags.DEFINE_list("workload", ["sharegpt-like", "alpaca-like"], "Workloads from scripts/workloads.py")
+    flags.DEFINE_list("allocator", list(ALLOCATORS), "Allocators to compare")
+    flags.DEFINE_integer("num_requests", None, "Requests per workload (default: the workload's own)")
+    flags.DEFINE_float("length_scale", 1.0, "Multiplies every prompt and output length (as benchmark_throughput)")
+    flags.DEFINE_integer("num_kv_blocks", 1024, "Pool size in blocks, the same for every allocator")
+    flags.DEFINE_integer("block_size", 16, "Tokens per block")
+    flags.DEFINE_integer("max_model_len", 2048, "The model's maximum length (what `max` reserves)")
+    flags.DEFINE_integer("max_num_seqs", 256, "Scheduler: sequences per step")
+    flags.DEFINE_integer("max_num_batched_tokens", 2048, "Scheduler: tokens per step")
+    flags.DEFINE_integer("vocab_size", 32000, "Vocabulary the prompts are drawn from (bench-llama's)")
+    flags.DEFINE_integer("seed", 0, "Workload seed")
+    flags.DEFINE_string("out_dir", os.path.join(REPO_ROOT, "docs"), "Where the PNG goes ('' for none)")
 
 
 def make_kv_cache(allocator: str, num_blocks: int, block_size: int, max_model_len: int):
@@ -198,4 +203,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
