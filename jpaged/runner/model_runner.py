@@ -85,8 +85,9 @@ class ModelRunner:
         with a draft model), run after each step. ``kv_layout``: the KV-cache groups (default: one
         group, a pool tensor per layer). ``kv_offload``: the prefix-cache tiers' `KVOffload`, which
         keeps the blocks a step stores. ``processed_logprobs``: logprobs of the distribution
-        sampled from (``logprobs_mode="processed_logprobs"``), else the model's. ``lora``: the `LoRAManager` of a model served with
-        adapters (its slot stacks attached), whose newly assigned slots each step writes first."""
+        sampled from (``logprobs_mode="processed_logprobs"``), else the model's. ``lora``: the
+        `LoRAManager` of a model served with adapters (its slot stacks attached), whose newly
+        assigned slots each step writes first."""
         self.processed_logprobs = processed_logprobs
         self.config, self.dtype = model.config, dtype
         self.kv_offload = kv_offload
