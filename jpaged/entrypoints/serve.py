@@ -58,30 +58,58 @@ flags.DEFINE_enum("log_level", "info", ["critical", "error", "warning", "info", 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
-def build_app():
-    """Loads the engine (warm-up included) and returns the FastAPI app."""
+def server_options() -> dict:
+    """The server's settings from the flags, as plain values: what `app_from_options` (here, or in
+    a Ray Serve replica, `jpaged.serve.ray`) builds the app from."""
+    model, engine_kwargs = llm_args()
+    return {"model": model, "engine_kwargs": engine_kwargs, "max_queued_requests": F.max_queued_requests,
+            "served_model_name": F.served_model_name, "api_key": F.api_key or None,
+            "chat_template": F.chat_template, "max_request_body_bytes": F.max_request_body_bytes,
+            "allowed_origins": list(F.allowed_origins or ()), "enable_weight_updates": F.enable_weight_updates,
+            "tool_call_parser": F.tool_call_parser, "reasoning_parser": F.reasoning_parser,
+            "enable_auto_tool_choice": F.enable_auto_tool_choice, "lora_modules": list(F.lora_modules)}
+
+
+def served_name(options: dict) -> str:
+    model = options["model"]
+    return options.get("served_model_name") or (model.rstrip("/") if model else DEFAULT_MODEL_NAME)
+
+
+def resolve_chat_template(chat_template: str | None) -> str | None:
+    """``chatml_tools``, a file holding a template, or the template itself."""
+    if chat_template == "chatml_tools":
+        from jpaged.agents.templates import CHATML_TOOLS_TEMPLATE
+
+        return CHATML_TOOLS_TEMPLATE
+    if chat_template and os.path.isfile(chat_template):
+        with open(chat_template) as f:
+            return f.read()
+    return chat_template
+
+
+def app_from_options(options: dict):
+    """Loads the engine (warm-up included) and returns the FastAPI app for `server_options`' settings."""
     from jpaged.engine.async_engine import AsyncLLMEngine
     from jpaged.entrypoints.lora_adapters import parse_lora_modules
     from jpaged.entrypoints.openai_server import check_allowed_origins, create_app
 
-    allowed_origins = check_allowed_origins(F.allowed_origins or ())  # a bad one fails before the model loads
-    model, kwargs = llm_args()
+    allowed_origins = check_allowed_origins(options["allowed_origins"])  # a bad one fails before the model loads
+    kwargs = dict(options["engine_kwargs"])
     kwargs.setdefault("precompile", True)  # no compilation inside a request's latency
-    async_engine = AsyncLLMEngine.from_args(model, max_queued_requests=F.max_queued_requests, **kwargs)
-    chat_template = F.chat_template
-    if chat_template == "chatml_tools":
-        from jpaged.agents.templates import CHATML_TOOLS_TEMPLATE
+    async_engine = AsyncLLMEngine.from_args(options["model"], max_queued_requests=options["max_queued_requests"],
+                                            **kwargs)
+    return create_app(async_engine, served_model_name=served_name(options), api_key=options["api_key"],
+                      chat_template=resolve_chat_template(options["chat_template"]),
+                      max_body_bytes=options["max_request_body_bytes"], allowed_origins=allowed_origins,
+                      enable_weight_updates=options["enable_weight_updates"],
+                      tool_call_parser=options["tool_call_parser"], reasoning_parser=options["reasoning_parser"],
+                      enable_auto_tool_choice=options["enable_auto_tool_choice"],
+                      lora_modules=parse_lora_modules(options["lora_modules"]))
 
-        chat_template = CHATML_TOOLS_TEMPLATE
-    elif chat_template and os.path.isfile(chat_template):
-        with open(chat_template) as f:
-            chat_template = f.read()
-    name = F.served_model_name or (model.rstrip("/") if model else DEFAULT_MODEL_NAME)
-    return create_app(async_engine, served_model_name=name, api_key=F.api_key or None, chat_template=chat_template,
-                      max_body_bytes=F.max_request_body_bytes, allowed_origins=allowed_origins,
-                      enable_weight_updates=F.enable_weight_updates, tool_call_parser=F.tool_call_parser,
-                      reasoning_parser=F.reasoning_parser, enable_auto_tool_choice=F.enable_auto_tool_choice,
-                      lora_modules=parse_lora_modules(F.lora_modules))
+
+def build_app():
+    """Loads the engine (warm-up included) and returns the FastAPI app."""
+    return app_from_options(server_options())
 
 
 def ready_line(app, url: str) -> str:
