@@ -16,7 +16,6 @@ import urllib.request
 
 import pytest
 
-from jpaged.core.kv_cache_manager import KVCacheManager  # noqa: F401 -- the chain `prompt_block_hashes` mirrors
 from jpaged.serve.asgi_call import BODY
 from jpaged.serve.gateway import Gateway, ReplicaUnavailable, create_gateway_app, prompt_tokens
 from jpaged.serve.replica import EngineReplicaServer, LocalReplicaClient

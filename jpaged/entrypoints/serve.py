@@ -53,6 +53,16 @@ flags.DEFINE_bool("enable_weight_updates", False, "Serve POST /update_weights (n
                   "this machine's disk; behind --api_key); off: 403")
 flags.DEFINE_multi_string("lora_modules", [], "LoRA adapters served under their own model names, each "
                           "name=path (a PEFT directory); needs --enable_lora")
+flags.DEFINE_enum("distributed_executor", None, ["ray"], "Run the engine replicas as Ray Serve replicas behind a "
+                  "KV-cache-aware gateway (needs `pip install jpaged[ray]`); default: one engine in this process")
+flags.DEFINE_integer("num_replicas", 1, "Engine replicas (with --distributed_executor ray), each on its own devices")
+flags.DEFINE_enum("routing", "prefix", ["prefix", "least_loaded", "round_robin"], "How the gateway picks a replica "
+                  "(with --distributed_executor ray): the longest cached prefix (then the least loaded), the least "
+                  "loaded (queue, then KV use), or in turn")
+flags.DEFINE_string("ray_address", None, "The Ray cluster to join (default: RAY_ADDRESS, else a local one)")
+flags.DEFINE_float("num_cpus_per_replica", 1.0, "CPUs Ray reserves for each replica")
+flags.DEFINE_float("num_gpus_per_replica", 0.0, "GPUs Ray gives each replica (its devices)")
+flags.DEFINE_float("num_tpus_per_replica", 0.0, "TPU chips Ray gives each replica (its devices)")
 flags.DEFINE_enum("log_level", "info", ["critical", "error", "warning", "info", "debug"], "uvicorn log level")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -162,6 +172,13 @@ def main(argv):
     del argv
     logging.basicConfig(level=logging.INFO)
     configure_logging()
+    if F.distributed_executor == "ray":
+        from jpaged.serve.ray import run
+
+        run(server_options(), host=F.host, port=F.port, address=F.ray_address, num_replicas=F.num_replicas,
+            routing=F.routing, num_cpus=F.num_cpus_per_replica, num_gpus=F.num_gpus_per_replica,
+            num_tpus=F.num_tpus_per_replica)
+        return
     draining_server(build_app(), host=F.host, port=F.port, log_level=F.log_level).run()
 
 

@@ -28,10 +28,11 @@ from jpaged.entrypoints.openai_server import (APIError, APIKeyMiddleware, JSONCo
                                               read_body)
 from jpaged.entrypoints.training_routes import TRAINING_ROUTES
 from jpaged.logger import logger
-from jpaged.serve.asgi_call import BODY, START
+from jpaged.serve.asgi_call import BODY
 from jpaged.serve.routing import Router
 
 PER_REPLICA_ROUTES = TRAINING_ROUTES + ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+REPLICA_HEADER = "x-jpaged-replica"  # which replica answered (a response header)
 HOP_HEADERS = {b"content-length", b"transfer-encoding", b"connection"}
 
 
@@ -201,6 +202,7 @@ class Gateway:
         _, status, headers = start
         media_type = dict(headers).get(b"content-type", b"").decode("latin-1")
         kept = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers if k.lower() not in HOP_HEADERS}
+        kept[REPLICA_HEADER] = name
 
         async def relay():
             outcome = "ok"

@@ -94,10 +94,10 @@ class GatewayDeployment:
                                tokenizer=router_tokenizer(options["model"]),
                                chat_template=resolve_chat_template(options["chat_template"]),
                                max_body_bytes=options["max_request_body_bytes"], poll_interval=poll_interval)
-        self.app = create_gateway_app(self.gateway, api_key=options["api_key"])
+        self.asgi_app = create_gateway_app(self.gateway, api_key=options["api_key"])
 
     def __serve_build_asgi_app__(self):
-        return self.app
+        return self.asgi_app
 
 
 def build_app(options: dict, *, num_replicas: int = 1, routing: str = "prefix", num_cpus: float = 1.0,
@@ -131,3 +131,44 @@ def build_app(options: dict, *, num_replicas: int = 1, routing: str = "prefix", 
         name="jpaged-gateway", num_replicas=1, max_ongoing_requests=100_000,
         ray_actor_options={"num_cpus": 0, "runtime_env": runtime_env})
     return gateway.bind(*replicas, options=options, routing=routing, poll_interval=poll_interval)
+
+
+def run(options: dict, *, host: str, port: int, address: str | None = None, ready_timeout: float = 1800.0,
+        **app_kwargs) -> None:
+    """``jpaged-serve --distributed_executor ray``: joins (or starts) Ray, runs the app on ``host:port``
+    until SIGTERM or Ctrl-C, then shuts Serve down."""
+    import signal
+    import threading
+    import time
+    import urllib.request
+
+    import ray
+
+    from jpaged.entrypoints.serve import served_name
+    from jpaged.logger import logger
+
+    app = build_app(options, **app_kwargs)  # bad arguments fail before Ray starts
+    ray.init(address=address, include_dashboard=False)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(app, name="jpaged", route_prefix="/", blocking=False)
+        url = f"http://{host}:{port}"
+        deadline = time.monotonic() + ready_timeout
+        while not stop.is_set() and time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            stop.wait(1.0)
+        if not stop.is_set():
+            logger.info("ready on %s (%s, %d Ray Serve replicas, routing %s)", url, served_name(options),
+                        app_kwargs.get("num_replicas", 1), app_kwargs.get("routing", "prefix"))
+        stop.wait()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
