@@ -336,6 +336,10 @@ def test_server_serves_adapters_by_model_name(llama_dir, adapters, tmp_path):
         assert client.post("/v1/unload_lora_adapter", json={"lora_name": "attn"}, headers=auth).status_code == 404
         m = engine.call(engine.engine.get_metrics).result(timeout=30)
         assert m["num_free_blocks"] == m["num_total_blocks"] and m["lora_slots_in_use"] == 0
+        # the Gateway API Inference Extension's LoRA series (idle: no adapter running or waiting)
+        metrics = client.get("/metrics").text
+        info = next(line for line in metrics.splitlines() if line.startswith("vllm:lora_requests_info{"))
+        assert 'max_lora="1"' in info and 'running_lora_adapters=""' in info and 'waiting_lora_adapters=""' in info
 
 
 @pytest.mark.slow

@@ -402,6 +402,14 @@ def test_metrics_endpoint_parses(srv):
     assert value("jpaged:generation_tokens", "_total") >= 4
     assert value("jpaged:time_to_first_token_seconds", "_count") >= 1
     assert 0 <= value("jpaged:kv_cache_usage_perc", "") <= 1
+    # the Gateway API Inference Extension's model-server protocol names (vLLM's), the same values
+    assert value("vllm:num_requests_waiting", "") == value("jpaged:num_requests_waiting", "")
+    assert value("vllm:num_requests_running", "") == value("jpaged:num_requests_running", "")
+    assert value("vllm:kv_cache_usage_perc", "") == value("jpaged:kv_cache_usage_perc", "")
+    config = families["vllm:cache_config_info"].samples[0].labels
+    assert int(config["block_size"]) == srv.engine.engine.config.cache.block_size
+    assert int(config["num_gpu_blocks"]) == value("jpaged:num_kv_blocks", "")
+    assert "vllm:lora_requests_info" not in families  # no LoRA
 
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "n", "ok"],

@@ -1,9 +1,19 @@
 """Prometheus metrics of the server, names prefixed ``jpaged:`` (vLLM's are ``vllm:``).
 
+Beside them, the series of the Gateway API Inference Extension's model-server protocol (what its
+endpoint picker, llm-d's and the GKE Inference Gateway read to route) under the names that protocol
+gives, vLLM's: ``vllm:num_requests_waiting`` (TotalQueuedRequests), ``vllm:num_requests_running``
+(TotalRunningRequests), ``vllm:kv_cache_usage_perc`` (KVCacheUtilization), ``vllm:cache_config_info``
+(``block_size``, ``num_gpu_blocks``: what its prefix-cache scorer reads) and, with LoRA enabled,
+``vllm:lora_requests_info`` (``max_lora``, ``running_lora_adapters``, ``waiting_lora_adapters``).
+
 Per-request counters and latency histograms are updated on the engine thread through
 `AsyncLLMEngine.on_output`; the engine's own gauges and counters (running and waiting requests, KV
 cache, prefix cache, preemptions) are read from ``get_metrics()`` on the engine thread at each scrape.
 """
+import asyncio
+import time
+
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -19,6 +29,7 @@ class _EngineCollector:
         self.labels = labels
         self.snapshot: dict = {}
         self.running = self.waiting = 0
+        self.lora: dict | None = None  # {"max_lora", "running", "waiting"} with LoRA enabled
 
     def collect(self):
         names, values = list(self.labels), list(self.labels.values())
@@ -43,6 +54,7 @@ class _EngineCollector:
                      s.get("prefix_cache_hits", 0))
         yield metric(CounterMetricFamily, "jpaged:num_preemptions", "Requests preempted.",
                      s.get("num_preemptions", 0))
+        yield from self._gateway_protocol(metric)
         if "kv_offload_host_hits" in s:  # prefix-cache tiers (docs/kv_offload.md)
             for tier in ("host", "disk"):
                 yield metric(CounterMetricFamily, f"jpaged:kv_offload_{tier}_hits",
@@ -66,6 +78,41 @@ class _EngineCollector:
             yield metric(GaugeMetricFamily, "jpaged:spec_decode_mean_accepted_length",
                          "Tokens per verifying sequence step: accepted proposals + 1.",
                          s["spec_decode_mean_accepted_length"])
+
+
+    def _gateway_protocol(self, metric):
+        """The model-server protocol's series (the module docstring)."""
+        s = self.snapshot
+        yield metric(GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting to be scheduled.", self.waiting)
+        yield metric(GaugeMetricFamily, "vllm:num_requests_running", "Requests the scheduler is running.",
+                     self.running)
+        yield metric(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "Share of KV cache blocks in use (0-1).",
+                     s.get("kv_cache_usage", 0.0))
+        names, values = list(self.labels), list(self.labels.values())
+        info = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's configuration (labels).",
+                                 labels=names + ["block_size", "num_gpu_blocks"])
+        info.add_metric(values + [str(s.get("block_size", 0)), str(s.get("num_total_blocks", 0))], 1.0)
+        yield info
+        if self.lora is not None:
+            lora = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters of the running and waiting requests; "
+                                     "the value is when this was read (Unix seconds).",
+                                     labels=names + ["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            lora.add_metric(values + [str(self.lora["max_lora"]), ",".join(self.lora["running"]),
+                                      ",".join(self.lora["waiting"])], time.time())
+            yield lora
+
+
+def _lora_adapters(engine) -> dict | None:
+    """The adapters of the scheduler's running and waiting requests (on the engine thread), or None
+    without LoRA (or for an engine without one scheduler)."""
+    lora, scheduler = getattr(engine, "lora", None), getattr(engine, "scheduler", None)
+    if lora is None or scheduler is None:
+        return None
+
+    def names(requests):
+        return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})
+
+    return {"max_lora": lora.max_loras, "running": names(scheduler.running), "waiting": names(scheduler.waiting)}
 
 
 class ServerMetrics:
@@ -131,4 +178,7 @@ class ServerMetrics:
         # chunked prefill is running); the front's counts only for an engine that does not report them
         self._engine.running = snapshot.get("num_running_requests", self.async_engine.num_running)
         self._engine.waiting = snapshot.get("num_waiting_requests", self.async_engine.num_waiting)
+        engine = getattr(self.async_engine, "engine", None)
+        if getattr(engine, "lora", None) is not None:
+            self._engine.lora = await asyncio.wrap_future(self.async_engine.call(lambda: _lora_adapters(engine)))
         return generate_latest(self.registry)
