@@ -281,3 +281,40 @@ def test_asgi_call_closes_like_a_disconnect(servers):
     while server.engine.num_unfinished and time.time() < deadline:
         time.sleep(0.05)
     assert server.engine.num_unfinished == 0
+
+
+def _report(hashes=(), running=0, waiting=0, usage=0.0):
+    return {"num_requests_running": running, "num_requests_waiting": waiting, "kv_cache_usage": usage,
+            "block_size": BLOCK, "block_hashes": list(hashes)}
+
+
+def test_router_policies():
+    tokens = list(range(100, 100 + 4 * BLOCK + 1))
+    keys = prompt_block_hashes(tokens, BLOCK)
+    with pytest.raises(ValueError, match="routing"):
+        Router(["a"], "random")
+    router = Router(["a", "b", "c"], "prefix", max_imbalance=4)
+    assert router.choose(tokens) == (None, 0)  # nothing reported yet
+    router.replicas["a"].update(_report(keys[:1], running=1))
+    router.replicas["b"].update(_report(keys[:3], running=2))
+    router.replicas["c"].update(_report((), running=0))
+    chosen, matched = router.choose(tokens)
+    assert (chosen.name, matched) == ("b", 3)  # the longest cached prefix, although busier
+    assert router.choose(tokens, exclude={"b"})[0].name == "a"
+    assert router.choose(tokens, cache_salt="t")[0].name == "c"  # a salt matches none: least loaded
+    assert router.choose(tokens)[0].name == "a"  # just sent all 4 blocks there: they count until a report
+    hot = Router(["a", "b"], "prefix", max_imbalance=4)
+    hot.replicas["a"].update(_report(keys, running=9))
+    hot.replicas["b"].update(_report((), running=0))
+    assert hot.choose(tokens)[0].name == "b"  # 9 > 0 + 4: the hot prefix does not pile on
+    unknown = list(range(5000, 5000 + 3 * BLOCK))
+    first = router.choose(unknown)[0]
+    assert router.choose(unknown)[0] is first  # just routed: counts as cached there until reports say so
+    least = Router(["a", "b"], "least_loaded")
+    least.replicas["a"].update(_report(keys, running=3))
+    least.replicas["b"].update(_report((), running=1))
+    assert least.choose(tokens) == (least.replicas["b"], 0)
+    turns = Router(["a", "b"], "round_robin")
+    for name in ("a", "b"):
+        turns.replicas[name].update(_report())
+    assert [turns.choose(tokens)[0].name for _ in range(4)] == ["a", "b", "a", "b"]
