@@ -74,7 +74,8 @@ def server_options() -> dict:
     model, engine_kwargs = llm_args()
     return {"model": model, "engine_kwargs": engine_kwargs, "max_queued_requests": F.max_queued_requests,
             "served_model_name": F.served_model_name, "api_key": F.api_key or None,
-            "chat_template": F.chat_template, "max_request_body_bytes": F.max_request_body_bytes,
+            "chat_template": resolve_chat_template(F.chat_template),  # a file's text: replicas may run elsewhere
+            "max_request_body_bytes": F.max_request_body_bytes,
             "allowed_origins": list(F.allowed_origins or ()), "enable_weight_updates": F.enable_weight_updates,
             "tool_call_parser": F.tool_call_parser, "reasoning_parser": F.reasoning_parser,
             "enable_auto_tool_choice": F.enable_auto_tool_choice, "lora_modules": list(F.lora_modules)}
