@@ -587,3 +587,16 @@ def test_async_engine_front_directly(srv):
     with pytest.raises(ValueError, match="prompt"):
         srv.engine.add_request(None, "", params).added.result(timeout=30)
     assert srv.engine.num_waiting == srv.engine.num_running == 0
+
+
+def test_lora_requests_info_names_the_running_and_waiting_adapters():
+    """vllm:lora_requests_info's labels: the adapters of the scheduler's running and waiting requests."""
+    from jpaged.entrypoints.metrics import _lora_adapters
+
+    def req(name):
+        return SimpleNamespace(lora_request=None if name is None else SimpleNamespace(lora_name=name))
+
+    scheduler = SimpleNamespace(running=[req("b"), req(None), req("a"), req("b")], waiting=[req("c"), req(None)])
+    engine = SimpleNamespace(lora=SimpleNamespace(max_loras=4), scheduler=scheduler)
+    assert _lora_adapters(engine) == {"max_lora": 4, "running": ["a", "b"], "waiting": ["c"]}
+    assert _lora_adapters(SimpleNamespace(lora=None, scheduler=scheduler)) is None
