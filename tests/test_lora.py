@@ -108,15 +108,56 @@ def test_mixed_batch_three_adapters_and_base(llm, llama_dir, adapters):
     assert_no_leak(llm)
 
 
+_COMPILES = [0]
+
+
+def _count_compile(event: str, duration: float, **_) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES[0] += 1
+
+
 def test_switching_adapters_never_recompiles(llm, adapters):
+    """Neither the step nor the slot writes compile again when adapters switch (the engine's
+    counter, and JAX's own compile events: the writes happen outside the counted pieces)."""
+    import jax
+
+    jax.monitoring.register_event_duration_secs_listener(_count_compile)
     reqs = requests_of(adapters)
     prompt = random_prompts(np.random.default_rng(2), [6])
     llm.generate(prompt, greedy(4), use_tqdm=False, lora_request=reqs["all"])  # warm
-    before = llm.get_metrics()["num_compilations"]
-    for name in ("attn", "mlp", "all", "attn"):
+    before, compiles = llm.get_metrics()["num_compilations"], _COMPILES[0]
+    for name in ("attn", "mlp", "all", "attn", "mlp"):
+        for slot in range(1, 4):  # every adapter is written into a slot again
+            llm.llm_engine.lora.slots.forget_slot(slot)
         llm.generate(prompt, greedy(4), use_tqdm=False, lora_request=reqs[name])
     llm.generate(prompt, greedy(4), use_tqdm=False)
     assert llm.get_metrics()["num_compilations"] == before
+    assert _COMPILES[0] == compiles, "a slot write or a step compiled again"
+
+
+def test_slot_write_updates_in_place(llm, adapters):
+    """Writing an adapter into a slot replaces only the LoRA stacks' buffers (donated), every
+    other leaf of the state stays the same object, and the layer pieces see the new stacks."""
+    import jax
+
+    runner = llm.llm_engine.runner
+    reqs = requests_of(adapters)
+    before = jax.tree.leaves(runner.state)
+    lora_ids = {id(before[i]) for i in runner._lora_writer.indices}
+    runner.write_lora_slots([(2, reqs["mlp"])])
+    after = jax.tree.leaves(runner.state)
+    assert all(a is b for i, (a, b) in enumerate(zip(before, after)) if i not in runner._lora_writer.indices)
+    written = {runner._lora_writer.keys[k]: after[i] for k, i in enumerate(runner._lora_writer.indices)}
+    weights = llm.llm_engine.lora.adapter(reqs["mlp"]).weights
+    (layer, name), (a, b) = next(iter(weights.items()))
+    np.testing.assert_array_equal(np.asarray(written[(layer, name, 0)][2]), a)
+    np.testing.assert_array_equal(np.asarray(written[(layer, name, 1)][2]), b)
+    assert not np.asarray(written[(0, "q_proj", 0)][2]).any(), "an untargeted projection kept old rows"
+    if runner.pieces is not None:
+        piece_ids = {id(x) for leaves in runner.pieces.layer_leaves for x in leaves}
+        assert not lora_ids & piece_ids, "the layer pieces still hold a donated stack"
+        assert {id(after[i]) for i in runner._lora_writer.indices} <= piece_ids
+    llm.llm_engine.lora.slots.forget_slot(2)  # the test wrote it behind the slot table's back
 
 
 def test_prefix_cache_is_keyed_by_adapter(llm, llama_dir, adapters):
@@ -244,7 +285,6 @@ def test_whole_step_with_lora_compiles_for_tpu(tmp_path):
     chip (`jpaged.engine.aot.compile_engine`, the TPU compiler's venv, no device): Pallas attention
     and the grouped LoRA matmuls in one executable, for the fewest and most tokens of the plan."""
     import subprocess
-    import sys
 
     from transformers import LlamaConfig
 
