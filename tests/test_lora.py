@@ -261,10 +261,10 @@ def test_qwen2_one_slot_two_adapters_with_preemption(qwen2_dir, tmp_path):
     assert_no_leak(llm)
 
 
-def test_gather_and_ragged_deltas_agree():
+def test_gather_ragged_and_dense_deltas_agree():
     import jax.numpy as jnp
 
-    from jpaged.models.lora import gather_delta, ragged_delta
+    from jpaged.models.lora import dense_delta, gather_delta, ragged_delta
     from jpaged.runner.inputs import lora_inputs
 
     rng = np.random.default_rng(7)
@@ -276,6 +276,8 @@ def test_gather_and_ragged_deltas_agree():
     want = np.stack([np.asarray(x[t] @ a[s] @ b[s]) for t, s in enumerate(slots)])
     np.testing.assert_allclose(np.asarray(gather_delta(x, a, b, inputs.slots)), want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(ragged_delta(x, a, b, inputs)), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dense_delta(x, a, b, jnp.asarray(inputs.slots))), want,
+                               rtol=1e-5, atol=1e-5)
 
 
 
