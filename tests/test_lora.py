@@ -382,12 +382,24 @@ def test_server_serves_adapters_by_model_name(llama_dir, adapters, tmp_path):
 
 @pytest.mark.slow
 def test_tensor_parallel_two_with_adapters(llama_dir, adapters):
-    """Over 2 devices (heads and MLP split; the slot stacks replicated) a mixed batch still gives
-    each merged model's tokens."""
+    """Over 2 devices (heads and MLP split; the slot stacks split like their layers: B of the
+    column-parallel projections on its output axis, A of o/down on its input axis) a mixed batch
+    still gives each merged model's tokens."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
     from jpaged import LLM
 
     llm = LLM(llama_dir[0], tensor_parallel_size=2, enable_lora=True, max_loras=2, max_lora_rank=16,
               num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=128)
+    runner = llm.llm_engine.runner
+    leaves = jax.tree.leaves(runner.state)
+    specs = {runner._lora_writer.keys[k]: leaves[i].sharding.spec for k, i in enumerate(runner._lora_writer.indices)}
+    model = ("model",)
+    for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+        assert tuple(specs[(0, name, 0)]) in ((), (None, None, None)) and specs[(0, name, 1)] == P(None, None, *model), name
+    for name in ("o_proj", "down_proj"):
+        assert specs[(0, name, 0)] == P(None, *model, None) and tuple(specs[(0, name, 1)]) in ((), (None, None, None)), name
     reqs = requests_of(adapters)
     names = ["all", None, "mlp"]
     prompts = random_prompts(np.random.default_rng(8), [6, 11, 9])
