@@ -408,3 +408,25 @@ def test_tensor_parallel_two_with_adapters(llama_dir, adapters):
         oracle = llama_dir[1] if name is None else adapters[name][1]
         assert out.outputs[0].token_ids == hf_greedy(oracle, prompt, 8)[0], name
     assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_with_adapters(llama_dir, adapters, method):
+    """Speculative decoding verifies with the target's adapters (the draft model, without them,
+    proposes base-model tokens): a mixed batch still gives each merged model's greedy tokens."""
+    from jpaged import LLM
+
+    spec = {"method": method, "num_speculative_tokens": 3}
+    spec.update({"prompt_lookup_max": 2} if method == "ngram" else {"model": llama_dir[0]})
+    llm = LLM(llama_dir[0], enable_lora=True, max_loras=2, max_lora_rank=16, num_kv_blocks=96, max_num_seqs=4,
+              max_num_batched_tokens=128, speculative_config=spec)
+    reqs = requests_of(adapters)
+    names = ["attn", None, "all"]
+    rng = np.random.default_rng(9)
+    prompts = [(p * 3)[:14] for p in random_prompts(rng, [5, 4, 6])]  # repeats: ngram drafts something
+    outs = llm.generate(prompts, greedy(10), use_tqdm=False, lora_request=[reqs.get(n) for n in names])
+    for name, prompt, out in zip(names, prompts, outs):
+        oracle = llama_dir[1] if name is None else adapters[name][1]
+        assert out.outputs[0].token_ids == hf_greedy(oracle, prompt, 10)[0], (method, name)
+    assert llm.get_metrics()["spec_decode_num_draft_tokens"] > 0
+    assert_no_leak(llm)
