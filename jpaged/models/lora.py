@@ -19,8 +19,11 @@ Two forms of the delta, chosen per backend when the stacks are attached (``delta
   every decode and prefill shape measured (docs/lora.md): with few slots of small rank the two
   dense GEMMs are cheap and need no sort.
 
-`gather_delta` (BGMV-style: each token's A and B slices gathered) computes the same; it reads
-``tokens x in x rank`` gathered weights, slower than both but at the smallest shapes.
+  Steps of at most `GATHER_MAX_TOKENS` tokens gather each token's factors instead
+  (`gather_delta`), which does only the token's own slot's work.
+
+`gather_delta` (BGMV-style: each token's A and B slices gathered) reads ``tokens x in x rank``
+gathered weights: cheaper than both at a few tokens, far slower at more (docs/lora.md).
 """
 import dataclasses
 import functools
@@ -82,6 +85,7 @@ class LoRAStack(nnx.Module):
 
 
 DELTA_FORMS = ("ragged", "dense")
+GATHER_MAX_TOKENS = 8  # the "dense" form gathers each token's factors in steps of at most this many tokens
 
 
 def delta_form_for(platform: str) -> str:
@@ -92,7 +96,9 @@ def delta_form_for(platform: str) -> str:
 def lora_delta(x, a, b, inputs: LoRAInputs, delta: str = "ragged"):
     """``x[t] @ a[slot[t]] @ b[slot[t]]`` for each token t: x [T, in], a [G, in, r], b [G, r, out]
     -> [T, out] float32; ``delta``: the form (`DELTA_FORMS`)."""
-    if delta == "dense":
+    if delta == "dense":  # the token count is static: each step shape compiles one form
+        if x.shape[0] <= GATHER_MAX_TOKENS:
+            return gather_delta(x, a, b, inputs.slots)
         return dense_delta(x, a, b, inputs.slots)
     return ragged_delta(x, a, b, inputs)
 
