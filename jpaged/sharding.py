@@ -33,6 +33,9 @@ is per vocabulary row while the table splits on hidden). GGUF blocks ``qweight [
 with ``scales`` / ``mins`` ``[in / 32, out]`` split on ``out`` (column) or on whole blocks of
 ``in`` (row; the token table on its hidden blocks). A scale of any other shape has no place in
 the layout: a ValueError.
+
+LoRA slot stacks split like the layer they adapt (`_LORA_SPECS`): a column-parallel layer's B on
+its output axis (A replicated), a row-parallel layer's A on its input axis (B replicated).
 """
 import functools
 import re
@@ -67,6 +70,11 @@ _LEAF_SPECS = {
     "mins": (P(None, MODEL_AXIS), P(MODEL_AXIS, None), P(MODEL_AXIS, None)),
 }
 _QUANT_LEAF_NDIM = {"scale": 1, "qweight": 3, "scales": 2, "mins": 2}
+# LoRA slot stacks (`jpaged.models.lora`): A [slots, in, rank], B [slots, rank, out], split like
+# the layer they adapt: (column-parallel, row-parallel). A column-parallel layer's input is whole on
+# every device, so A is replicated and B split on out like the kernel; a row-parallel layer's input
+# is split on in, so A is split on in (its partial sums all-reduced, rank-wide) and B replicated.
+_LORA_SPECS = {"a": (P(), P(None, MODEL_AXIS, None)), "b": (P(None, None, MODEL_AXIS), P())}
 
 
 def expert_specs(num_experts: int, intermediate: int, tp: int, expert_parallel: bool) -> tuple[P, P, P]:
@@ -87,6 +95,9 @@ def param_spec(path: tuple, shape: tuple, tp: int, expert_parallel: bool = False
     if layer == "experts" and leaf in EXPERT_LEAVES and len(shape) == 3:
         intermediate = shape[1] if leaf == "down_proj" else shape[2]
         return expert_specs(shape[0], intermediate, tp, expert_parallel)[EXPERT_LEAVES.index(leaf)]
+    if "lora" in names and leaf in _LORA_SPECS and len(shape) == 3 and layer in COLUMN | ROW:
+        spec = _LORA_SPECS[leaf][0 if layer in COLUMN else 1]
+        return spec if all(axis is None or shape[dim] % tp == 0 for dim, axis in enumerate(spec)) else P()
     role = 0 if layer in COLUMN else 1 if layer in ROW else 2 if layer == "embed_tokens" else None
     if role is not None and leaf in _QUANT_LEAF_NDIM and len(shape) != _QUANT_LEAF_NDIM[leaf]:
         raise ValueError(f"weight {'.'.join(map(str, path))}: a quantization {leaf!r} of shape {tuple(shape)} "

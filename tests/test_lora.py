@@ -108,15 +108,56 @@ def test_mixed_batch_three_adapters_and_base(llm, llama_dir, adapters):
     assert_no_leak(llm)
 
 
+_COMPILES = [0]
+
+
+def _count_compile(event: str, duration: float, **_) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES[0] += 1
+
+
 def test_switching_adapters_never_recompiles(llm, adapters):
+    """Neither the step nor the slot writes compile again when adapters switch (the engine's
+    counter, and JAX's own compile events: the writes happen outside the counted pieces)."""
+    import jax
+
+    jax.monitoring.register_event_duration_secs_listener(_count_compile)
     reqs = requests_of(adapters)
     prompt = random_prompts(np.random.default_rng(2), [6])
     llm.generate(prompt, greedy(4), use_tqdm=False, lora_request=reqs["all"])  # warm
-    before = llm.get_metrics()["num_compilations"]
-    for name in ("attn", "mlp", "all", "attn"):
+    before, compiles = llm.get_metrics()["num_compilations"], _COMPILES[0]
+    for name in ("attn", "mlp", "all", "attn", "mlp"):
+        for slot in range(1, 4):  # every adapter is written into a slot again
+            llm.llm_engine.lora.slots.forget_slot(slot)
         llm.generate(prompt, greedy(4), use_tqdm=False, lora_request=reqs[name])
     llm.generate(prompt, greedy(4), use_tqdm=False)
     assert llm.get_metrics()["num_compilations"] == before
+    assert _COMPILES[0] == compiles, "a slot write or a step compiled again"
+
+
+def test_slot_write_updates_in_place(llm, adapters):
+    """Writing an adapter into a slot replaces only the LoRA stacks' buffers (donated), every
+    other leaf of the state stays the same object, and the layer pieces see the new stacks."""
+    import jax
+
+    runner = llm.llm_engine.runner
+    reqs = requests_of(adapters)
+    before = jax.tree.leaves(runner.state)
+    lora_ids = {id(before[i]) for i in runner._lora_writer.indices}
+    runner.write_lora_slots([(2, reqs["mlp"])])
+    after = jax.tree.leaves(runner.state)
+    assert all(a is b for i, (a, b) in enumerate(zip(before, after)) if i not in runner._lora_writer.indices)
+    written = {runner._lora_writer.keys[k]: after[i] for k, i in enumerate(runner._lora_writer.indices)}
+    weights = llm.llm_engine.lora.adapter(reqs["mlp"]).weights
+    (layer, name), (a, b) = next(iter(weights.items()))
+    np.testing.assert_array_equal(np.asarray(written[(layer, name, 0)][2]), a)
+    np.testing.assert_array_equal(np.asarray(written[(layer, name, 1)][2]), b)
+    assert not np.asarray(written[(0, "q_proj", 0)][2]).any(), "an untargeted projection kept old rows"
+    if runner.pieces is not None:
+        piece_ids = {id(x) for leaves in runner.pieces.layer_leaves for x in leaves}
+        assert not lora_ids & piece_ids, "the layer pieces still hold a donated stack"
+        assert {id(after[i]) for i in runner._lora_writer.indices} <= piece_ids
+    llm.llm_engine.lora.slots.forget_slot(2)  # the test wrote it behind the slot table's back
 
 
 def test_prefix_cache_is_keyed_by_adapter(llm, llama_dir, adapters):
@@ -220,10 +261,10 @@ def test_qwen2_one_slot_two_adapters_with_preemption(qwen2_dir, tmp_path):
     assert_no_leak(llm)
 
 
-def test_gather_and_ragged_deltas_agree():
+def test_gather_ragged_and_dense_deltas_agree():
     import jax.numpy as jnp
 
-    from jpaged.models.lora import gather_delta, ragged_delta
+    from jpaged.models.lora import dense_delta, gather_delta, ragged_delta
     from jpaged.runner.inputs import lora_inputs
 
     rng = np.random.default_rng(7)
@@ -235,6 +276,8 @@ def test_gather_and_ragged_deltas_agree():
     want = np.stack([np.asarray(x[t] @ a[s] @ b[s]) for t, s in enumerate(slots)])
     np.testing.assert_allclose(np.asarray(gather_delta(x, a, b, inputs.slots)), want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(ragged_delta(x, a, b, inputs)), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dense_delta(x, a, b, jnp.asarray(inputs.slots))), want,
+                               rtol=1e-5, atol=1e-5)
 
 
 
@@ -244,7 +287,6 @@ def test_whole_step_with_lora_compiles_for_tpu(tmp_path):
     chip (`jpaged.engine.aot.compile_engine`, the TPU compiler's venv, no device): Pallas attention
     and the grouped LoRA matmuls in one executable, for the fewest and most tokens of the plan."""
     import subprocess
-    import sys
 
     from transformers import LlamaConfig
 
@@ -344,12 +386,24 @@ def test_server_serves_adapters_by_model_name(llama_dir, adapters, tmp_path):
 
 @pytest.mark.slow
 def test_tensor_parallel_two_with_adapters(llama_dir, adapters):
-    """Over 2 devices (heads and MLP split; the slot stacks replicated) a mixed batch still gives
-    each merged model's tokens."""
+    """Over 2 devices (heads and MLP split; the slot stacks split like their layers: B of the
+    column-parallel projections on its output axis, A of o/down on its input axis) a mixed batch
+    still gives each merged model's tokens."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
     from jpaged import LLM
 
     llm = LLM(llama_dir[0], tensor_parallel_size=2, enable_lora=True, max_loras=2, max_lora_rank=16,
               num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=128)
+    runner = llm.llm_engine.runner
+    leaves = jax.tree.leaves(runner.state)
+    specs = {runner._lora_writer.keys[k]: leaves[i].sharding.spec for k, i in enumerate(runner._lora_writer.indices)}
+    model = ("model",)
+    for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+        assert tuple(specs[(0, name, 0)]) in ((), (None, None, None)) and specs[(0, name, 1)] == P(None, None, *model), name
+    for name in ("o_proj", "down_proj"):
+        assert specs[(0, name, 0)] == P(None, *model, None) and tuple(specs[(0, name, 1)]) in ((), (None, None, None)), name
     reqs = requests_of(adapters)
     names = ["all", None, "mlp"]
     prompts = random_prompts(np.random.default_rng(8), [6, 11, 9])
@@ -357,4 +411,26 @@ def test_tensor_parallel_two_with_adapters(llama_dir, adapters):
     for name, prompt, out in zip(names, prompts, outs):
         oracle = llama_dir[1] if name is None else adapters[name][1]
         assert out.outputs[0].token_ids == hf_greedy(oracle, prompt, 8)[0], name
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_with_adapters(llama_dir, adapters, method):
+    """Speculative decoding verifies with the target's adapters (the draft model, without them,
+    proposes base-model tokens): a mixed batch still gives each merged model's greedy tokens."""
+    from jpaged import LLM
+
+    spec = {"method": method, "num_speculative_tokens": 3}
+    spec.update({"prompt_lookup_max": 2} if method == "ngram" else {"model": llama_dir[0]})
+    llm = LLM(llama_dir[0], enable_lora=True, max_loras=2, max_lora_rank=16, num_kv_blocks=96, max_num_seqs=4,
+              max_num_batched_tokens=128, speculative_config=spec)
+    reqs = requests_of(adapters)
+    names = ["attn", None, "all"]
+    rng = np.random.default_rng(9)
+    prompts = [(p * 3)[:14] for p in random_prompts(rng, [5, 4, 6])]  # repeats: ngram drafts something
+    outs = llm.generate(prompts, greedy(10), use_tqdm=False, lora_request=[reqs.get(n) for n in names])
+    for name, prompt, out in zip(names, prompts, outs):
+        oracle = llama_dir[1] if name is None else adapters[name][1]
+        assert out.outputs[0].token_ids == hf_greedy(oracle, prompt, 10)[0], (method, name)
+    assert llm.get_metrics()["spec_decode_num_draft_tokens"] > 0
     assert_no_leak(llm)

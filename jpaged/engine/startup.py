@@ -259,8 +259,10 @@ def build(config: EngineConfig, model=None, tokenizer=None, devices=None) -> Eng
     lora = None
     if config.enable_lora:  # the model's slot stacks, before the runner places its state
         from jpaged.lora.manager import LoRAManager
+        from jpaged.models.lora import delta_form_for
         lora = LoRAManager(model, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
-                           max_cpu_loras=config.max_cpu_loras, dtype=dtype)
+                           max_cpu_loras=config.max_cpu_loras, dtype=dtype,
+                           delta=delta_form_for(mesh.devices.flat[0].platform))
     layout = kv_cache_layout(attention_windows(model))
     if draft is not None and layout.group_windows[0] is not None:
         raise ValueError(f"speculative_config (method='draft_model'): the draft model reads the block table of "

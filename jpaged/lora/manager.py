@@ -12,10 +12,12 @@ class LoRAManager:
     stacks (slot 0: the base model), reads adapters into a host LRU cache of ``max_cpu_loras``,
     and owns the slot table the scheduler pins slots in."""
 
-    def __init__(self, model, *, max_loras: int, max_lora_rank: int, max_cpu_loras: int, dtype):
+    def __init__(self, model, *, max_loras: int, max_lora_rank: int, max_cpu_loras: int, dtype,
+                 delta: str = "ragged"):
+        """``delta``: the form the model's projections compute deltas in (`jpaged.models.lora`)."""
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.num_slots = max_loras + 1
-        self.shapes = attach_lora(model, self.num_slots, max_lora_rank, dtype)
+        self.shapes = attach_lora(model, self.num_slots, max_lora_rank, dtype, delta=delta)
         self.host = HostAdapterCache(max_cpu_loras, self.shapes, max_lora_rank, np.dtype(dtype))
         self.slots = LoRASlotTable(max_loras)
         self.names: dict[str, LoRARequest] = {}  # every adapter seen, by name (the server's lookups)

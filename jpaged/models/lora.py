@@ -7,12 +7,23 @@ input data, so switching adapters never recompiles). ``A`` is ``[num_slots, in, 
 (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA) is folded into ``B``, and slot 0 stays zero: the
 base model (and padding tokens). No weight is ever merged, so one step mixes adapters freely.
 
-The delta is a segmented (SGMV-style) matmul: the tokens sorted by slot (the order computed on
-the host), two `jax.lax.ragged_dot` grouped matmuls over the slots' contiguous token groups, and
-the inverse permutation (`ragged_delta`). `gather_delta` (BGMV-style: each token's A and B slices
-gathered) computes the same; on the CPU it was as fast at 8 tokens of rank 16 and 4-20x slower at
-every larger decode or rank shape measured (docs/lora.md), since it reads ``tokens x in x rank``
-gathered weights where the grouped matmul reads each slot's once.
+Two forms of the delta, chosen per backend when the stacks are attached (``delta``):
+
+- ``"ragged"`` (TPU, GPU): a segmented (SGMV-style) matmul: the tokens sorted by slot (the order
+  computed on the host), two `jax.lax.ragged_dot` grouped matmuls over the slots' contiguous token
+  groups, and the inverse permutation (`ragged_delta`); the accelerators' grouped-matmul kernels
+  read each slot's factors once.
+- ``"dense"`` (CPU): every token through every slot's A at once (``[T, slots * rank]``, one
+  GEMM), the columns of the other slots zeroed by the token's one-hot slot mask, then one GEMM
+  with all slots' B (`dense_delta`). XLA's CPU lowering of ``ragged_dot`` is slower than this at
+  every decode and prefill shape measured (docs/lora.md): with few slots of small rank the two
+  dense GEMMs are cheap and need no sort.
+
+  Steps of at most `GATHER_MAX_TOKENS` tokens gather each token's factors instead
+  (`gather_delta`), which does only the token's own slot's work.
+
+`gather_delta` (BGMV-style: each token's A and B slices gathered) reads ``tokens x in x rank``
+gathered weights: cheaper than both at a few tokens, far slower at more (docs/lora.md).
 """
 import dataclasses
 import functools
@@ -49,19 +60,21 @@ class LoRAWeight(nnx.Variable):
 class LoRAProjection(nnx.Module):
     """The A/B slot stacks of one projection ``in -> out``."""
 
-    def __init__(self, din: int, dout: int, num_slots: int, max_rank: int, dtype):
+    def __init__(self, din: int, dout: int, num_slots: int, max_rank: int, dtype, delta: str = "ragged"):
         self.a = LoRAWeight(jnp.zeros((num_slots, din, max_rank), dtype))
         self.b = LoRAWeight(jnp.zeros((num_slots, max_rank, dout), dtype))
+        self.delta = delta  # static: "ragged" or "dense"
 
     def __call__(self, x, inputs: LoRAInputs):
-        return lora_delta(x, self.a[...], self.b[...], inputs)
+        return lora_delta(x, self.a[...], self.b[...], inputs, self.delta)
 
 
 class LoRAStack(nnx.Module):
     """The LoRA projections of one attention block or MLP, by projection name."""
 
-    def __init__(self, shapes: dict[str, tuple[int, int]], num_slots: int, max_rank: int, dtype):
-        self.projections = nnx.Dict({name: LoRAProjection(din, dout, num_slots, max_rank, dtype)
+    def __init__(self, shapes: dict[str, tuple[int, int]], num_slots: int, max_rank: int, dtype,
+                 delta: str = "ragged"):
+        self.projections = nnx.Dict({name: LoRAProjection(din, dout, num_slots, max_rank, dtype, delta)
                                      for name, (din, dout) in shapes.items()})
 
     def add(self, name: str, x, y, inputs: LoRAInputs | None):
@@ -71,9 +84,32 @@ class LoRAStack(nnx.Module):
         return y + self.projections[name](x, inputs).astype(y.dtype)
 
 
-def lora_delta(x, a, b, inputs: LoRAInputs):
-    """``x[t] @ a[slot[t]] @ b[slot[t]]`` for each token t: x [T, in], a [G, in, r], b [G, r, out]."""
+DELTA_FORMS = ("ragged", "dense")
+GATHER_MAX_TOKENS = 8  # the "dense" form gathers each token's factors in steps of at most this many tokens
+
+
+def delta_form_for(platform: str) -> str:
+    """The delta form a backend runs (module docstring): ``"dense"`` on the CPU, else ``"ragged"``."""
+    return "dense" if platform == "cpu" else "ragged"
+
+
+def lora_delta(x, a, b, inputs: LoRAInputs, delta: str = "ragged"):
+    """``x[t] @ a[slot[t]] @ b[slot[t]]`` for each token t: x [T, in], a [G, in, r], b [G, r, out]
+    -> [T, out] float32; ``delta``: the form (`DELTA_FORMS`)."""
+    if delta == "dense":  # the token count is static: each step shape compiles one form
+        if x.shape[0] <= GATHER_MAX_TOKENS:
+            return gather_delta(x, a, b, inputs.slots)
+        return dense_delta(x, a, b, inputs.slots)
     return ragged_delta(x, a, b, inputs)
+
+
+def dense_delta(x, a, b, slots):
+    """Every token through all slots' A (x [T, in] -> [T, G, r]), the other slots' columns masked
+    by the token's one-hot slot (slots [T]), then contracted with all slots' B over (G, r)."""
+    h = jnp.einsum("ti,gir->tgr", x, a, preferred_element_type=jnp.float32)
+    mask = slots[:, None] == jnp.arange(a.shape[0], dtype=slots.dtype)[None, :]
+    h = jnp.where(mask[:, :, None], h, 0.0).astype(x.dtype)
+    return jnp.einsum("tgr,gro->to", h, b, preferred_element_type=jnp.float32)
 
 
 def gather_delta(x, a, b, slots):
@@ -110,15 +146,17 @@ def lora_targets(model) -> list[tuple[int, nnx.Module, dict[str, nnx.Module]]]:
     return out
 
 
-def attach_lora(model, num_slots: int, max_rank: int, dtype, abstract: bool = False
+def attach_lora(model, num_slots: int, max_rank: int, dtype, abstract: bool = False, delta: str = "ragged"
                 ) -> dict[tuple[int, str], tuple[int, int]]:
     """Gives every LoRA-capable block of ``model`` its zero slot stacks (``abstract``: shapes
-    only, for a model made by `nnx.eval_shape`); returns the (in, out) shape of each (layer,
-    projection) that can take an adapter."""
+    only, for a model made by `nnx.eval_shape`), computing deltas in form ``delta``
+    (`DELTA_FORMS`); returns the (in, out) shape of each (layer, projection) that can take an adapter."""
+    if delta not in DELTA_FORMS:
+        raise ValueError(f"delta={delta!r}: must be one of {', '.join(DELTA_FORMS)}")
     shapes = {}
     for i, part, linears in lora_targets(model):
         dims = {n: tuple(lin.kernel.shape) for n, lin in linears.items()}
-        make = lambda: LoRAStack(dims, num_slots, max_rank, dtype)  # noqa: E731
+        make = lambda: LoRAStack(dims, num_slots, max_rank, dtype, delta)  # noqa: E731
         part.lora = nnx.data(nnx.eval_shape(make) if abstract else make())
         shapes.update({(i, n): d for n, d in dims.items()})
     if not shapes:

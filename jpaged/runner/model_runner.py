@@ -18,7 +18,6 @@ import gc
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -101,6 +100,13 @@ class ModelRunner:
         graphdef, state = nnx.split(model)
         self.graphdef = graphdef
         self.state = sharding.shard_state(state, mesh, expert_parallel=getattr(model, "expert_parallel", False))
+        self._lora_writer = None
+        if lora is not None:  # compiled now (slot 0 rewritten with its zeros), not at the first adapter
+            from jpaged.lora.device_slots import DeviceSlotWriter
+            self._lora_writer = DeviceSlotWriter(self.state)
+            leaves, treedef = jax.tree.flatten(self.state)
+            self._lora_writer.prepare(leaves)
+            self.state = jax.tree.unflatten(treedef, leaves)
         self.weight_targets = WeightTargets(graphdef, self.state)  # what `load_weights` must match
         self.sleeping_leaves: dict | None = None  # asleep: {path: host array} of the leaves kept
         replicated, pool = sharding.replicated(mesh), kv_pool.shardings()
@@ -263,25 +269,27 @@ class ModelRunner:
 
     # LoRA adapters ---------------------------------------------------------------------------------------
     def write_lora_slots(self, loads) -> None:
-        """Writes each (slot, LoRARequest) adapter into its device slot: new arrays of the same
-        shapes in the state the jitted pieces take, so nothing recompiles."""
+        """Writes each (slot, LoRARequest) adapter into its device slot, in place (`DeviceSlotWriter`):
+        the same shapes in the state the jitted pieces take, so nothing recompiles."""
         if not loads:
             return
-        from jpaged.lora.device_slots import write_slot
-
-        model = nnx.merge(self.graphdef, self.state)
         try:
             adapters = [(slot, self.lora.adapter(request)) for slot, request in loads]  # a re-read may fail
         except Exception:
             for slot, _ in loads:
                 self.lora.slots.forget_slot(slot)
             raise
+        leaves, treedef = jax.tree.flatten(self.state)
+        replaced = {}
         for slot, adapter in adapters:
-            write_slot(model, slot, adapter)
-        self.state = nnx.split(model)[1]
-        if self.pieces is not None:
-            self.pieces.layer_leaves = [jax.tree.leaves(nnx.split(layer)[1])
-                                        for layer in getattr(model, model.DECODER_LAYERS)]
+            replaced.update(self._lora_writer.write(leaves, slot, adapter))
+        self.state = jax.tree.unflatten(treedef, leaves)
+        if self.pieces is not None:  # the layers' leaf lists hold the same stacks
+            for layer_leaves in self.pieces.layer_leaves:
+                for i, leaf in enumerate(layer_leaves):
+                    while id(leaf) in replaced:  # written more than once this step
+                        leaf = replaced[id(leaf)]
+                    layer_leaves[i] = leaf
 
     def _lora_padding(self, num_tokens: int):
         """The `LoRAInputs` of a step of padding tokens alone (None without LoRA)."""
