@@ -193,6 +193,35 @@ def test_serving_through_the_tiers_compiles_nothing_after_warm_up(tmp_path):
     reliability.assert_clean(llm)
 
 
+@pytest.mark.slow
+def test_a_draft_model_pool_goes_through_the_tiers_too(tmp_path):
+    """speculative_config with a draft model: a tier entry carries the draft's pages too, so after
+    eviction, disk hits and a restart the target as its own draft still accepts every proposal (a
+    draft reading stale pages for the loaded blocks would not), and the tokens are the reference."""
+    model = reliability.tiny_model(vocab_size=64, num_layers=2, seed=9)
+    rng = np.random.default_rng(5)
+    shared = rng.integers(3, 64, 24).tolist()
+    a = [shared + rng.integers(3, 64, n).tolist() for n in (5, 11)]
+    b = [rng.integers(3, 64, 36).tolist() for _ in range(2)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = {tuple(p): reliability.greedy_reference(model, p, 6) for p in a + b}
+    tiers = {"host_bytes": 8 * 1024, "disk_path": str(tmp_path), "disk_bytes": 1 << 24}
+    settings_ = dict(num_kv_blocks=24, max_model_len=64, max_num_batched_tokens=32, precompile=True,
+                     speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": 2})
+    for batches in ([a, b, a], [a]):  # the second engine starts on the first one's files
+        llm = reliability.make_llm(model, **settings_, kv_offload=tiers)
+        compiled = llm.get_metrics()["num_compilations"]
+        for prompts in batches:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outs] == [expected[tuple(p)] for p in prompts]
+        m = llm.get_metrics()
+        assert m["kv_offload_host_hits"] + m["kv_offload_disk_hits"] > 0
+        assert m["spec_decode_num_drafts"] > 0 and m["spec_decode_acceptance_rate"] == 1.0
+        assert m["num_compilations"] == compiled
+        reliability.assert_clean(llm)
+    assert m["kv_offload_disk_hits"] > 0
+
+
 def test_block_moves_past_one_chunk_keep_every_block(monkeypatch):
     """A move of more blocks than one call takes goes in several calls and loses none."""
     from jpaged.runner import kv_pool

@@ -122,7 +122,8 @@ def warm_up(runner: ModelRunner, *, max_tokens: int, max_seqs: int, precompile: 
                 runner.compile_decode_windows(max_seqs)
                 progress.update()
             if runner.kv_offload is not None:
-                runner.kv_pool.compile_transfers()
+                for pool in runner.kv_pools:
+                    pool.compile_transfers()
                 progress.update()
     finally:
         progress.close()
