@@ -102,6 +102,7 @@ def run(model: str, kv_offload: dict | None, pool_blocks: int) -> dict:
     llm = LLM(model, block_size=F.block_size, num_kv_blocks=pool_blocks, max_num_batched_tokens=F.max_num_batched_tokens,
               max_model_len=max_model_len(), kv_offload=kv_offload, precompile=F.precompile)
     engine = llm.llm_engine
+    compiled = llm.get_metrics()["num_compilations"]
     params = SamplingParams(temperature=0, max_tokens=F.output_tokens, ignore_eos=True)
     systems, chats = workload_tokens()
     history = [list(systems[s]) for s, _ in chats]
@@ -132,7 +133,7 @@ def run(model: str, kv_offload: dict | None, pool_blocks: int) -> dict:
             "hit_rate": m["prefix_cache_hits"] / max(1, m["prefix_cache_queries"]),
             "host_hits": m.get("kv_offload_host_hits", 0), "disk_hits": m.get("kv_offload_disk_hits", 0),
             "load_s": m.get("kv_offload_load_seconds", 0.0), "history": history, "prompts": prompts,
-            "latencies": latencies, "answers": answers}
+            "latencies": latencies, "answers": answers, "compilations": m["num_compilations"] - compiled}
 
 
 def max_model_len() -> int:
@@ -186,7 +187,7 @@ def main(_):
             print(f"{name:10s} TTFT median {r['ttft_median'] * 1e3:8.1f} ms  p99 {r['ttft_p99'] * 1e3:8.1f} ms  "
                   f"{r['output_tok_s']:7.1f} output tok/s  {r['seconds']:6.1f} s  prefix hit rate "
                   f"{r['hit_rate']:.2f}  host/disk hit tokens {r['host_hits']}/{r['disk_hits']}  "
-                  f"load {r['load_s']:.2f} s", flush=True)
+                  f"load {r['load_s']:.2f} s  compilations while serving {r['compilations']}", flush=True)
         same = all(results[n]["history"] == results["off"]["history"] for n in results)
         off = results["off"]["ttft_median"]
         print(f"tokens equal in every run: {same}; median TTFT / off: host {results['host']['ttft_median'] / off:.2f}, "
