@@ -11,7 +11,15 @@ renders tools; the requests go through the `openai` async client. The unconstrai
 ``--required_max_tokens``). Output tok/s is the sum over streams of completion tokens / the longest
 stream's time from its first chunk to its end; the grammar's cost is the required run's against the
 ``tool_choice="auto"`` run (equal prompts). Every required call is
-checked against its schema with jsonschema. Prints one line per mode.
+checked against its schema with jsonschema.
+
+The modes run in ``--repeats`` rounds, interleaved (round 1 in the order of ``--modes``, round 2
+reversed, and so on), so that a load that drifts over the run falls on both sides of each pair.
+Each round prints one line per mode; the end prints, per mode, the median over rounds of its TTFT
+median and output tok/s, and the grammar's cost as the median over rounds of the (required,
+tools_auto) pair's ratio:
+
+  python scripts/benchmark_tools.py --repeats 7     # BENCH grammar_cost_median ... is the figure
 """
 import asyncio
 import json
@@ -33,6 +41,7 @@ flags.DEFINE_integer("num_kv_blocks", 2048, "KV pool blocks")
 flags.DEFINE_integer("max_model_len", 2048, "Longest sequence")
 flags.DEFINE_integer("required_max_tokens", 256, "Cap of the required run (a 10-field call is ~100 tokens)")
 flags.DEFINE_list("modes", ["no_tools", "tools_auto", "required"], "Which runs, in order")
+flags.DEFINE_integer("repeats", 5, "Rounds of all the modes (interleaved; the figures are medians over rounds)")
 
 FIELDS = {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo", "Lima"]},
           "days": {"type": "integer", "minimum": 1, "maximum": 14},
@@ -71,18 +80,19 @@ async def one(client, mode: str) -> dict:
         kwargs["extra_body"] = {"ignore_eos": True}
         if mode == "tools_auto":
             kwargs.update(tools=[TOOL], tool_choice="auto")
-    start, first, tokens, arguments = time.perf_counter(), None, 0, []
+    start, first, tokens, arguments, finish = time.perf_counter(), None, 0, [], None
     async for chunk in await client.chat.completions.create(**kwargs):
         if chunk.choices and first is None:
             first = time.perf_counter()
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
         for choice in chunk.choices:
+            finish = choice.finish_reason or finish
             for call in choice.delta.tool_calls or ():
                 if call.function is not None and call.function.arguments:
                     arguments.append(call.function.arguments)
     return {"ttft": first - start, "decode_s": time.perf_counter() - first, "tokens": tokens,
-            "arguments": "".join(arguments)}
+            "arguments": "".join(arguments), "finish_reason": finish}
 
 
 async def run_mode(base_url: str, mode: str, num_streams: int | None = None) -> list[dict]:
@@ -93,6 +103,22 @@ async def run_mode(base_url: str, mode: str, num_streams: int | None = None) -> 
         return await asyncio.gather(*(one(client, mode) for _ in range(num_streams or F.num_streams)))
     finally:
         await client.close()
+
+
+def measure(base_url: str, mode: str, round_: int, jsonschema) -> tuple[float, float]:
+    """One run of ``mode`` (``num_streams`` concurrent streams): its TTFT median and output tok/s."""
+    records = asyncio.run(run_mode(base_url, mode))
+    if mode == "required":
+        calls = [r for r in records if r["finish_reason"] == "tool_calls"]  # not cut by the cap
+        for r in calls:
+            jsonschema.validate(json.loads(r["arguments"]), TOOL["function"]["parameters"])
+        print(f"BENCH required: {len(calls)} of {len(records)} streams ended in a schema-valid call", flush=True)
+    ttft = np.array([r["ttft"] for r in records])
+    tok_s = sum(r["tokens"] for r in records) / max(max(r["decode_s"] for r in records), 1e-9)
+    print(f"BENCH round={round_} mode={mode} streams={F.num_streams} ttft_mean_s={ttft.mean():.3f} "
+          f"ttft_p50_s={np.median(ttft):.3f} output_tok_s={tok_s:.1f} "
+          f"mean_output_tokens={np.mean([r['tokens'] for r in records]):.1f}", flush=True)
+    return float(np.median(ttft)), tok_s
 
 
 def main(argv):
@@ -112,24 +138,21 @@ def main(argv):
                                                   tool_call_parser="hermes", enable_auto_tool_choice=True))
     for mode in F.modes:  # warm-up: compilations, prefix cache, the grammar and llguidance's tokenizer view
         asyncio.run(run_mode(base_url, mode, 2))
-    results = {}
+    rounds = []  # per round: {mode: (TTFT median, output tok/s)}
+    for r in range(F.repeats):
+        order = F.modes if r % 2 == 0 else F.modes[::-1]
+        rounds.append({mode: measure(base_url, mode, r, jsonschema) for mode in order})
     for mode in F.modes:
-        records = asyncio.run(run_mode(base_url, mode))
-        if mode == "required":
-            calls = [r for r in records if r["arguments"]]
-            for r in calls:
-                jsonschema.validate(json.loads(r["arguments"]), TOOL["function"]["parameters"])
-            print(f"BENCH required: {len(calls)} of {len(records)} streams ended in a schema-valid call", flush=True)
-        ttft = np.array([r["ttft"] for r in records])
-        tok_s = sum(r["tokens"] for r in records) / max(max(r["decode_s"] for r in records), 1e-9)
-        results[mode] = (ttft, tok_s)
-        print(f"BENCH mode={mode} streams={F.num_streams} ttft_mean_s={ttft.mean():.3f} "
-              f"ttft_p50_s={np.median(ttft):.3f} output_tok_s={tok_s:.1f} "
-              f"mean_output_tokens={np.mean([r['tokens'] for r in records]):.1f}", flush=True)
-    if "required" in results and "tools_auto" in results:
-        (t_req, s_req), (t_none, s_none) = results["required"], results["tools_auto"]
-        print(f"BENCH grammar_cost ttft_mean={t_req.mean() / t_none.mean() - 1:+.1%} "
-              f"output_tok_s={s_req / s_none - 1:+.1%}")
+        print(f"BENCH median_of_rounds mode={mode} rounds={F.repeats} "
+              f"ttft_p50_s={np.median([x[mode][0] for x in rounds]):.3f} "
+              f"output_tok_s={np.median([x[mode][1] for x in rounds]):.1f}", flush=True)
+    if "required" in F.modes and "tools_auto" in F.modes:
+        ttft = [x["required"][0] / x["tools_auto"][0] - 1 for x in rounds]
+        tok_s = [x["required"][1] / x["tools_auto"][1] - 1 for x in rounds]
+        print(f"BENCH grammar_cost_median rounds={F.repeats} ttft_p50={np.median(ttft):+.1%} "
+              f"output_tok_s={np.median(tok_s):+.1%} (per round: ttft "
+              + " ".join(f"{v:+.0%}" for v in ttft) + "; tok/s " + " ".join(f"{v:+.0%}" for v in tok_s) + ")",
+              flush=True)
     server.should_exit = True
 
 

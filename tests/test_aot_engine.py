@@ -101,6 +101,17 @@ def test_speculative_verification_steps_compile(tmp_path):
     assert result.returncode == 2 and "only 'ngram'" in result.stderr
 
 
+def test_tier_block_moves_compile(tmp_path):
+    """With prefix-cache tiers, the pool's block gather and scatter of every padded count compile too."""
+    from jpaged.runner.kv_pool import transfer_buckets
+
+    figures = aot_compile(tmp_path, f"--model={model_json(tmp_path, 'llama')}", "--gpu=h100", *ENGINE,
+                          "--shapes=largest", '--kv_offload={"host_bytes": 1048576}')
+    moves = [step["name"] for step in figures["steps"] if step["name"].startswith("kv_offload")]
+    counts = transfer_buckets(figures["num_blocks"])
+    assert moves == [f"kv_offload {op} blocks={n}" for n in counts for op in ("gather", "scatter")], moves
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen3", "gemma3", "mistral", "qwen3_moe"])
 @pytest.mark.parametrize("target", ["--topology=v5e:2x2", "--gpu=h100"])

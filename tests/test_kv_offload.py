@@ -165,6 +165,81 @@ def test_in_memory_model_through_host_disk_restart_and_bad_files(tmp_path):
     assert cold[0] == expected and m["kv_offload_disk_hits"] == 0
 
 
+def test_serving_through_the_tiers_compiles_nothing_after_warm_up(tmp_path):
+    """With ``precompile``, warm-up compiles the tiers' gather and scatter for every padded count:
+    stores and loads of any number of blocks (chunked past `MAX_TRANSFER_BLOCKS`) then compile nothing."""
+    from jpaged.runner import kv_pool
+
+    assert kv_pool.transfer_buckets(20) == [4, 8, 16, 32] and kv_pool.transfer_buckets(3) == [4]
+    assert kv_pool.transfer_buckets(10_000)[-1] == kv_pool.MAX_TRANSFER_BLOCKS
+    model = reliability.tiny_model(vocab_size=64, num_layers=2, seed=7)
+    rng = np.random.default_rng(3)
+    shared = rng.integers(3, 64, 24).tolist()
+    a = [shared + rng.integers(3, 64, n).tolist() for n in (5, 11, 2)]
+    b = [rng.integers(3, 64, 36).tolist() for _ in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    tiers = {"host_bytes": 4 * 1024, "disk_path": str(tmp_path), "disk_bytes": 1 << 24}
+    llm = reliability.make_llm(model, num_kv_blocks=20, max_model_len=64, max_num_batched_tokens=32,
+                               precompile=True, kv_offload=tiers)
+    compiled = llm.get_metrics()["num_compilations"]
+    names = {signature[0] for signature in llm.llm_engine.runner.counter.signatures}
+    assert {"tier_gather", "tier_scatter"} <= names
+    for prompts in (a, b, a, b[:1], a[:1]):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [reliability.greedy_reference(model, p, 6) for p in prompts]
+    m = llm.get_metrics()
+    assert m["kv_offload_host_hits"] + m["kv_offload_disk_hits"] > 0 and m["kv_offload_host_stored_bytes"] > 0
+    assert m["num_compilations"] == compiled
+    reliability.assert_clean(llm)
+
+
+@pytest.mark.slow
+def test_a_draft_model_pool_goes_through_the_tiers_too(tmp_path):
+    """speculative_config with a draft model: a tier entry carries the draft's pages too, so after
+    eviction, disk hits and a restart the target as its own draft still accepts every proposal (a
+    draft reading stale pages for the loaded blocks would not), and the tokens are the reference."""
+    model = reliability.tiny_model(vocab_size=64, num_layers=2, seed=9)
+    rng = np.random.default_rng(5)
+    shared = rng.integers(3, 64, 24).tolist()
+    a = [shared + rng.integers(3, 64, n).tolist() for n in (5, 11)]
+    b = [rng.integers(3, 64, 36).tolist() for _ in range(2)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = {tuple(p): reliability.greedy_reference(model, p, 6) for p in a + b}
+    tiers = {"host_bytes": 8 * 1024, "disk_path": str(tmp_path), "disk_bytes": 1 << 24}
+    settings_ = dict(num_kv_blocks=24, max_model_len=64, max_num_batched_tokens=32, precompile=True,
+                     speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": 2})
+    for batches in ([a, b, a], [a]):  # the second engine starts on the first one's files
+        llm = reliability.make_llm(model, **settings_, kv_offload=tiers)
+        compiled = llm.get_metrics()["num_compilations"]
+        for prompts in batches:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outs] == [expected[tuple(p)] for p in prompts]
+        m = llm.get_metrics()
+        assert m["kv_offload_host_hits"] + m["kv_offload_disk_hits"] > 0
+        assert m["spec_decode_num_drafts"] > 0 and m["spec_decode_acceptance_rate"] == 1.0
+        assert m["num_compilations"] == compiled
+        reliability.assert_clean(llm)
+    assert m["kv_offload_disk_hits"] > 0
+
+
+def test_block_moves_past_one_chunk_keep_every_block(monkeypatch):
+    """A move of more blocks than one call takes goes in several calls and loses none."""
+    from jpaged.runner import kv_pool
+
+    monkeypatch.setattr(kv_pool, "MAX_TRANSFER_BLOCKS", 4)
+    model = reliability.tiny_model(vocab_size=64, num_layers=1, seed=8)
+    llm = reliability.make_llm(model, num_kv_blocks=20, max_model_len=64, max_num_batched_tokens=32)
+    pool = llm.llm_engine.runner.kv_pool
+    rng = np.random.default_rng(4)
+    blocks = list(range(1, 11))
+    data = [tuple(rng.standard_normal(a.shape).astype(a.dtype) for a in arrays)
+            for arrays in pool.read_blocks(blocks)()]
+    pool.write_blocks(list(zip(blocks, data)))
+    back = pool.read_blocks(blocks)()
+    assert all(np.array_equal(x, y) for got, want in zip(back, data) for x, y in zip(got, want))
+    assert len(back) == 10
+
+
 def test_a_step_whose_loads_fail_leaves_no_wrong_hit(tmp_path, monkeypatch):
     """The step carrying tier loads fails before writing them: its requests end with an error, the
     blocks registered for the loads are forgotten, and the same prompts then give the right tokens."""

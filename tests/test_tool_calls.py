@@ -47,14 +47,32 @@ MALFORMED = {"hermes": "<tool_call>{not json}</tool_call>", "llama3_json": '{"na
              "mistral": "[TOOL_CALLS] [{]", "pythonic": "[get_weather(city=Paris)]"}
 
 
-def streamed(text, parser, request, pieces):
-    """The message the deltas of ``text`` cut into ``pieces`` add up to."""
+def add_up(deltas, calls=None):
+    """Tool-call delta pieces accumulated as the openai client does: {index: [id, name, arguments]}."""
+    calls = {} if calls is None else calls
+    for d in deltas:
+        call = calls.setdefault(d["index"], [None, "", ""])
+        call[0] = d.get("id") or call[0]
+        call[1] += d["function"].get("name") or ""
+        call[2] += d["function"].get("arguments") or ""
+    return calls
+
+
+def streamed(text, parser, request, pieces, finish_reason="stop"):
+    """The message the deltas of ``text`` cut into ``pieces`` add up to (asserted equal to the calls
+    `finish` returns), and how many argument pieces came before the end."""
     stream = ChatOutputStream(None, parser, request)
     content, cuts = "", sorted(random.Random(pieces).sample(range(1, max(2, len(text))), min(pieces, len(text) - 1)))
+    calls, early = {}, 0
     for a, b in zip([0] + cuts, cuts + [len(text)]):
-        content += stream.feed(text[a:b]).get("content", "")
-    last, calls, finish = stream.finish("stop")
-    return content + last.get("content", ""), [(c.name, json.loads(c.arguments)) for c in calls], finish
+        delta = stream.feed(text[a:b])
+        content += delta.get("content", "")
+        add_up(delta.get("tool_calls", []), calls)
+        early += sum(bool(d["function"].get("arguments")) for d in delta.get("tool_calls", []))
+    last, final, finish = stream.finish(finish_reason)
+    add_up(last.get("tool_calls", []), calls)
+    assert [calls[i] for i in sorted(calls)] == [[c.id, c.name, c.arguments] for c in final]
+    return content + last.get("content", ""), [(c.name, json.loads(c.arguments)) for c in final], finish, early
 
 
 @pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
@@ -68,22 +86,79 @@ def test_each_parser_whole_and_streamed(name):
         if calls:
             assert_valid_calls([c.to_openai() for c in message.tool_calls])
         for pieces in (1, 3, len(text)):  # whole, a few chunks, one character at a time
-            assert streamed(text, parser, AUTO, pieces) == (content, calls, message.finish_reason)
+            got = streamed(text, parser, AUTO, pieces)
+            assert got[:3] == (content, calls, message.finish_reason)
+            if pieces == len(text) and calls:  # the arguments arrive in pieces as they are generated
+                assert got[3] > len(calls), (name, text)
     malformed = parse_chat_output(MALFORMED[name], "stop", None, parser, AUTO)
     assert malformed.tool_calls == [] and malformed.content == MALFORMED[name] and malformed.finish_reason == "stop"
 
 
 def test_calls_outside_the_request_stay_text():
     parser = get_tool_parser("hermes")
-    for text in ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',               # unknown function
-                 '<tool_call>{"name": "get_weather", "arguments": {"city": "Lima", "days": 3}}</tool_call>'):
-        message = parse_chat_output(text, "stop", None, parser, AUTO)
-        assert message.tool_calls == [] and message.content == text
+    text = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'  # an unknown function is never sent as a call
+    message = parse_chat_output(text, "stop", None, parser, AUTO)
+    assert message.tool_calls == [] and message.content == text
+    # a known function's call streams from its name on; arguments that then fail the schema leave it
+    # in tool_calls (it was sent), but never with finish_reason "tool_calls"
+    lima = '<tool_call>{"name": "get_weather", "arguments": {"city": "Lima", "days": 3}}</tool_call>'
+    for pieces in (1, len(lima)):
+        content, calls, finish, _ = streamed(lima, parser, AUTO, pieces)
+        assert (content, calls, finish) == ("", [("get_weather", {"city": "Lima", "days": 3})], "stop")
+    message = parse_chat_output(lima, "stop", None, parser, AUTO)
+    assert message.finish_reason == "stop" and message.tool_calls[0].arguments == '{"city": "Lima", "days": 3}'
+
     single = parse_tool_request(TOOLS, "auto", parallel_tool_calls=False)
     two = f"<tool_call>{PARIS}</tool_call><tool_call>{ROME}</tool_call>"
-    assert parse_chat_output(two, "stop", None, parser, single).tool_calls == []
+    first = parse_chat_output(two, "stop", None, parser, single)  # without parallel calls: the first one
+    assert [c.arguments for c in first.tool_calls] == ['{"city": "Paris", "days": 3}']
+    assert first.finish_reason == "tool_calls"
     assert len(parse_chat_output(two, "stop", None, parser, AUTO).tool_calls) == 2
     assert parse_chat_output(two, "length", None, parser, AUTO).finish_reason == "length"
+
+
+FORCED = parse_tool_request(TOOLS, "required")
+
+
+def test_forced_calls_stream_their_arguments_and_equal_the_whole_message():
+    """The grammar's JSON array streams call by call, arguments in pieces; cut by max_tokens, the
+    calls sent so far stay (finish_reason "length"), streamed or not."""
+    from jpaged.agents.tool_parsers import JsonListToolParser
+
+    text = f'[{PARIS}, {{"name": "get_time", "arguments": {{"zone": "UTC"}}}}]'
+    whole = parse_chat_output(text, "stop", None, None, FORCED)
+    assert whole.finish_reason == "tool_calls" and [c.arguments for c in whole.tool_calls] == [
+        '{"city": "Paris", "days": 3}', '{"zone": "UTC"}']
+    for pieces in (1, 7, len(text)):
+        content, calls, finish, early = streamed(text, JsonListToolParser(), FORCED, pieces)
+        assert (content, finish) == ("", "tool_calls") and calls == [(c.name, json.loads(c.arguments))
+                                                                    for c in whole.tool_calls]
+        assert pieces < len(text) or early >= 20
+    cut = text[:52]  # inside the first call's arguments
+    message = parse_chat_output(cut, "length", None, None, FORCED)
+    assert message.finish_reason == "length" and message.tool_calls[0].arguments == cut[cut.index('{"city"'):]
+    stream = ChatOutputStream(None, None, FORCED)
+    pieces = [stream.feed(ch).get("tool_calls", []) for ch in cut]
+    last, calls, finish = stream.finish("length")
+    got = add_up([p for ps in pieces for p in ps] + last.get("tool_calls", []))
+    assert finish == "length" and got[0][1:] == ["get_weather", message.tool_calls[0].arguments]
+
+
+def test_partial_calls_only_grow():
+    """On every prefix of a text, each parser's calls are a prefix of the next prefix's calls, each
+    call's arguments a prefix of its later arguments: what makes them stream deltas."""
+    from jpaged.agents.tool_parsers import JsonListToolParser
+
+    samples = [(get_tool_parser(name), text) for name in sorted(CASES) for text, _, _ in CASES[name]]
+    samples.append((JsonListToolParser(), f"[{PARIS}, {ROME}]"))
+    for parser, text in samples:
+        before = []
+        for n in range(len(text) + 1):
+            now = parser.partial_calls(text[:n])
+            assert len(now) >= len(before), (text, n)
+            for old, new in zip(before, now):
+                assert new.name == old.name and new.arguments.startswith(old.arguments), (text, n)
+            before = now
 
 
 def test_tool_request_checks_name_the_field():
@@ -199,6 +274,46 @@ def test_server_required_calls_stream_and_not(srv):
         assert finish == "tool_calls"
         assert_valid_calls(message["tool_calls"])
         assert without_ids(message) == without_ids(as_message(choice.message))
+
+
+# what each parser reads, written by the model under a regex (the random model would write noise)
+AUTO_OUTPUTS = {
+    "hermes": f"I will check.\n<tool_call>\n{PARIS}\n</tool_call>\n<tool_call>{ROME}</tool_call>",
+    "llama3_json": '{"name": "get_time", "parameters": {"zone": "UTC"}}',
+    "mistral": f"[TOOL_CALLS] [{PARIS}, {ROME}]",
+    "pythonic": '[get_weather(city="Oslo", days=2), get_time(zone="CET")]',
+}
+
+
+@pytest.mark.parametrize("name", sorted(AUTO_OUTPUTS))
+def test_server_auto_calls_stream_their_arguments(srv, name):
+    """tool_choice="auto" with each parser: the real openai client's stream carries each call's
+    index, id and name first, then its arguments in several pieces, and adds up to exactly the
+    non-streamed message (ids aside)."""
+    import re
+
+    serving = srv.app.state.serving
+    text = AUTO_OUTPUTS[name]
+    kwargs = dict(model="tiny", messages=CONVERSATION, tools=TOOLS, temperature=0, max_tokens=len(text) + 8,
+                  extra_body={"structured_outputs": {"regex": re.escape(text)}})
+    try:
+        serving.tool_parser = get_tool_parser(name)
+        whole = srv.client.chat.completions.create(**kwargs)
+        chunks = list(srv.client.chat.completions.create(**kwargs, stream=True))
+    finally:
+        serving.tool_parser = get_tool_parser("hermes")
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert_valid_calls(choice.message.tool_calls)
+    message, finish = accumulate(chunks)
+    assert finish == "tool_calls" and without_ids(message) == without_ids(as_message(choice.message))
+    pieces = [t for c in chunks for ch in c.choices for t in ch.delta.tool_calls or ()]
+    for i, call in enumerate(message["tool_calls"]):
+        mine = [t for t in pieces if t.index == i]
+        assert mine[0].id == call["id"] and mine[0].type == "function" and mine[0].function.name == call["function"]["name"]
+        assert all(t.id is None and not t.function.name for t in mine[1:])
+        if name != "pythonic" or i == 0:  # pythonic: a keyword at a time (get_time has one)
+            assert len([t for t in mine if t.function.arguments]) > 1, (name, mine)  # streamed in pieces
 
 
 def test_server_tool_result_round_trip(srv):

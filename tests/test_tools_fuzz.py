@@ -124,7 +124,8 @@ def test_many_functions_decode_valid_calls(srv):
     assert choice["finish_reason"] in ("tool_calls", "length")
     for call in choice["message"].get("tool_calls") or ():
         i = int(call["function"]["name"].split("_")[1])
-        jsonschema.validate(json.loads(call["function"]["arguments"]), tools[i]["function"]["parameters"])
+        if choice["finish_reason"] == "tool_calls":  # cut by max_tokens, the arguments are as far as they got
+            jsonschema.validate(json.loads(call["function"]["arguments"]), tools[i]["function"]["parameters"])
     assert_all_blocks_free(srv)
 
 

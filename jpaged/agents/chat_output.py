@@ -4,10 +4,15 @@
 (non-streaming) answer is the same stream fed at once (`parse_chat_output`), so a client that
 accumulates the deltas gets exactly the non-streaming message.
 
-Content streams live. Once a tool parser's marker shows up, the rest is held and parsed when the
-sequence ends: valid calls become ``tool_calls`` (``finish_reason="tool_calls"``), and text that is
-not a valid call (unparsable, an unknown function, arguments that fail the function's schema) is
-sent as content instead, never a half call.
+Content streams live. Once a tool parser's marker shows up, content is held, and each call is
+sent once its name is read and names a function of the request (``index``, ``id``, ``type`` and
+name first), then its ``arguments`` in pieces as they are generated (`ToolParser.partial_calls`).
+When the sequence ends the whole text is checked: valid calls give ``finish_reason="tool_calls"``;
+text that was never sent as a call and is not a valid one (unparsable, an unknown function) is
+content. A call already sent whose arguments then fail (not JSON, the schema, cut by
+``max_tokens``) stays in ``tool_calls`` as generated (a delta cannot be taken back) and the finish
+reason stays ``stop`` / ``length``: only ``"tool_calls"`` promises valid arguments. Forced calls
+(``required``, a named function) decode under the grammar, so theirs are valid unless cut.
 """
 import json
 from dataclasses import dataclass, field
@@ -38,11 +43,15 @@ class ChatMessage:
 
 class ToolCallStream:
     """Content until the first tool-call marker (whitespace and a partial marker held back), then
-    everything held until `finish` parses it."""
+    the calls: each as soon as the parser reads its name (`ToolParser.partial_calls`) and the name is
+    a function the request can call, its arguments in pieces as they are generated. `finish` checks
+    the whole text."""
 
     def __init__(self, parser: ToolParser, request: ToolRequest):
         self.parser, self.request = parser, request
         self.text, self.emitted, self.in_calls, self.plain = "", 0, False, False
+        self.allowed = {f.name: f for f in request.callable_functions()}
+        self.calls: list[ToolCall] = []  # the calls sent so far, their arguments as sent
 
     def _candidate(self) -> str:
         """The content that is safe to have sent by now."""
@@ -65,38 +74,81 @@ class ToolCallStream:
         hold = max(partial_marker_len(text, m) for m in self.parser.markers)
         return text[:len(text) - hold].rstrip()
 
-    def feed(self, delta: str) -> str:
-        if self.in_calls:
-            self.text += delta
-            return ""
+    def feed(self, delta: str) -> tuple[str, list[dict]]:
+        """(content to send, ``tool_calls`` delta pieces) for the next piece of text."""
         self.text += delta
-        candidate = self._candidate()
-        piece = candidate[self.emitted:]
-        self.emitted = max(self.emitted, len(candidate))
-        return piece
+        piece = ""
+        if not self.in_calls:
+            candidate = self._candidate()
+            piece = candidate[self.emitted:]
+            self.emitted = max(self.emitted, len(candidate))
+        return piece, self._call_deltas() if self.in_calls else []
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """(content not sent yet, the calls); no calls when the text is not a valid set of them."""
-        calls = self._calls() if self.in_calls else []
-        if calls:
+    def _call_deltas(self) -> list[dict]:
+        """The pieces of the calls read so far that were not sent yet."""
+        deltas = []
+        for i, partial in enumerate(self.parser.partial_calls(self.text)):
+            if partial.name not in self.allowed or (i > 0 and not self.request.parallel):
+                break
+            if i == len(self.calls):
+                self.calls.append(ToolCall(partial.name, ""))
+                deltas.append({"index": i, "id": self.calls[i].id, "type": "function",
+                               "function": {"name": partial.name, "arguments": ""}})
+            call = self.calls[i]
+            if len(partial.arguments) > len(call.arguments):
+                deltas.append({"index": i, "function": {"arguments": partial.arguments[len(call.arguments):]}})
+                call.arguments = partial.arguments
+        return deltas
+
+    def finish(self) -> tuple[str, list[dict], list[ToolCall], bool]:
+        """(content not sent yet, the last delta pieces, the calls, whether they are valid). The
+        calls are those sent (their arguments as generated) when the text is a valid set of calls;
+        a valid set the parser could not stream is sent whole here. Text that is not a valid set of
+        calls is content if none of it was sent as a call; calls already sent stay calls (a delta
+        cannot be taken back), not valid ones."""
+        if not self.in_calls:
+            return self.text[self.emitted:], [], [], False
+        deltas = self._call_deltas()
+        parsed = self._valid_calls()
+        if parsed and self._as_sent(parsed):
             content, _ = self.parser.parse(self.text)
-        else:
-            content = self.text
-        return content[self.emitted:], calls
+            return content[self.emitted:], deltas, list(self.calls), True
+        if parsed and not self.calls:
+            content, _ = self.parser.parse(self.text)
+            self.calls = parsed
+            return content[self.emitted:], tool_call_deltas(parsed), list(parsed), True
+        if not self.calls:
+            return self.text[self.emitted:], [], [], False
+        return "", deltas, list(self.calls), False
 
-    def _calls(self) -> list[ToolCall]:
+    def _as_sent(self, parsed: list[ToolCall]) -> bool:
+        return len(parsed) == len(self.calls) and all(
+            p.name == c.name and json.loads(p.arguments) == _json_or_none(c.arguments)
+            for p, c in zip(parsed, self.calls))
+
+    def _valid_calls(self) -> list[ToolCall]:
+        """The calls of the whole text when they are valid ones (names the request can call,
+        arguments that satisfy their schemas), else none."""
         try:
             _, calls = self.parser.parse(self.text)
         except MalformedCall:
             return []
-        allowed = {f.name: f for f in self.request.callable_functions()}
-        if not calls or (not self.request.parallel and len(calls) > 1):
+        if not self.request.parallel:
+            calls = calls[:1]  # without parallel_tool_calls, the first call (the only one sent)
+        if not calls:
             return []
         for c in calls:
-            f = allowed.get(c.name)
+            f = self.allowed.get(c.name)
             if f is None or not arguments_valid(f, json.loads(c.arguments)):
                 return []
         return calls
+
+
+def _json_or_none(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
 
 
 class ChatOutputStream:
@@ -130,9 +182,11 @@ class ChatOutputStream:
                 self.sent_reasoning = len(reasoning)
         new = answer[self.sent_answer:]
         self.sent_answer = max(self.sent_answer, len(answer))
-        content = self.tools.feed(new) if self.tools is not None else new
+        content, calls = self.tools.feed(new) if self.tools is not None else (new, [])
         if content:
             delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
         return delta
 
     def feed(self, delta_text: str) -> dict:
@@ -140,16 +194,24 @@ class ChatOutputStream:
         return self._advance(final=False)
 
     def finish(self, finish_reason: str | None) -> tuple[dict, list[ToolCall], str | None]:
-        """The last delta pieces, the tool calls, and the finish reason (``"tool_calls"`` when there are calls)."""
+        """The last delta pieces, the tool calls (all of them, as their deltas add up), and the
+        finish reason (``"tool_calls"`` when the calls are valid ones)."""
         delta = self._advance(final=True)
-        calls = []
+        calls, valid = [], False
         if self.tools is not None:
-            rest, calls = self.tools.finish()
-            if rest:
-                delta["content"] = delta.get("content", "") + rest
-        if calls and finish_reason in ("stop", None):
+            rest, pieces, calls, valid = self.tools.finish()
+            merge_delta(delta, {"content": rest, "tool_calls": pieces})
+        if valid and finish_reason in ("stop", None):
             finish_reason = "tool_calls"
         return delta, calls, finish_reason
+
+
+def merge_delta(delta: dict, more: dict) -> dict:
+    """Appends ``more``'s pieces (text, or lists of tool-call pieces) to ``delta``'s, empty ones left out."""
+    for key, piece in more.items():
+        if piece:
+            delta[key] = delta.get(key, type(piece)()) + piece
+    return delta
 
 
 def parse_chat_output(text: str, finish_reason: str | None, reasoning_parser=None, tool_parser=None,
@@ -157,7 +219,7 @@ def parse_chat_output(text: str, finish_reason: str | None, reasoning_parser=Non
     """The whole assistant message: the stream of `ChatOutputStream` fed at once."""
     stream = ChatOutputStream(reasoning_parser, tool_parser, tool_request)
     first = stream.feed(text)
-    last, calls, finish_reason = stream.finish(finish_reason)
+    last, calls, finish_reason = stream.finish(finish_reason)  # the calls are those the deltas add up to
     content = first.get("content", "") + last.get("content", "")
     reasoning = (first.get("reasoning_content", "") + last.get("reasoning_content", "")) \
         if stream.reasoning is not None else None

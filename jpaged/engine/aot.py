@@ -5,7 +5,8 @@ model's parameters as ``jax.ShapeDtypeStruct`` placed by the real sharding rules
 target's devices (KV heads repeated when tensor parallelism exceeds them, as loading does), the KV
 pool sized from ``memory_utilization`` of the chip's memory less the weights and the largest step's
 temporaries, then every step of the warm-up plan (`runner.precompile.step_plan` on the whole-step
-path, the code the engine runs on TPU/GPU: one jitted function per step, the pool donated) through
+path, the code the engine runs on TPU/GPU: one jitted function per step, the pool donated; with
+prefix-cache tiers, their block gather and scatter too) through
 ``jax.jit(...).trace(...).lower().compile()``. The compilers are the real ones (libtpu's Mosaic and
 XLA TPU; XLA GPU, Triton and ptxas), run from a CPU host (`jpaged_kernels.aot`). A compile proves
 that the step compiles and fits, never a speed.
@@ -171,12 +172,31 @@ def step_name(step) -> str:
 
 
 def compile_step(fn, state, caches, args, device, name: str) -> StepCompile:
+    return compile_traced(lambda: fn.trace(state, caches, *args), device, name)
+
+
+def compile_transfers(mesh, caches, num_blocks: int, device) -> list[StepCompile]:
+    """The prefix-cache tiers' block moves (`kv_pool.KVPool.compile_transfers`): the gather and the
+    scatter of every padded block count."""
+    gather, scatter = kv_pool.jit_transfers(mesh)
+    results = []
+    for n in kv_pool.transfer_buckets(num_blocks):
+        ids = jax.ShapeDtypeStruct((n,), np.int32, sharding=sharding.replicated(mesh))
+        data = _placed(jax.eval_shape(kv_pool._gather_blocks, caches, ids), lambda _: sharding.replicated(mesh))
+        results.append(compile_traced(lambda: gather.trace(caches, ids), device, f"kv_offload gather blocks={n}"))
+        results.append(compile_traced(lambda: scatter.trace(caches, ids, data), device,
+                                      f"kv_offload scatter blocks={n}"))
+    return results
+
+
+def compile_traced(trace, device, name: str) -> StepCompile:
+    """Compiles what ``trace()`` traces, with the compiler's figures (errors are a result)."""
     start = time.perf_counter()
     # the target's device is the default one, so lowering rules that query the chip (Pallas TPU
     # asks its generation) see the target, not this host
     with captured_stderr() as log, jax.default_device(device):
         try:
-            compiled = fn.trace(state, caches, *args).lower().compile()
+            compiled = trace().lower().compile()
             error = None
         except Exception as e:  # noqa: BLE001 -- every compiler error is a result here
             error = e
@@ -260,10 +280,16 @@ def compile_engine(model_config: ModelConfig, config: EngineConfig, target: str,
                                             device, step_name(step)))
                 if progress is not None:
                     progress(results[-1])
+            if cc.kv_offload is not None and steps is plan:
+                for result in compile_transfers(mesh, caches, num_blocks, device):
+                    results.append(result)
+                    if progress is not None:
+                        progress(result)
             return results
 
-        if on_plan is not None:
-            on_plan(len(plan))
+        if on_plan is not None:  # the tiers' moves of the largest pool the plan allows
+            moves = kv_pool.transfer_buckets(cc.num_kv_blocks or sc.max_num_seqs * per_seq) if cc.kv_offload else []
+            on_plan(len(plan) + 2 * len(moves))
         # the largest step with a small pool gives the temporaries; the pool gets what is left
         probe = compile_all(min(1024, sc.max_num_seqs * per_seq), [plan[-1]])[0]
         temps = probe.memory.get("temp_size_in_bytes", 0) + probe.memory.get("generated_code_size_in_bytes", 0)

@@ -211,25 +211,46 @@ def kv_cache_manager(config: EngineConfig, num_blocks: int, max_model_len: int, 
     return ReservationKVCacheManager(num_blocks, cc.block_size, mode=cc.allocator, max_model_len=max_model_len)
 
 
+def _weights_digest(path, model) -> str:
+    """The disk tier's name for a model's weights: its checkpoint's files, else its parameter bytes."""
+    if isinstance(path, str) and os.path.exists(path):
+        return "files:" + kv_namespace.checkpoint_digest(path)
+    return "params:" + kv_namespace.params_digest(jax.tree.leaves(nnx.state(model)))
+
+
+def _draft_descriptor(spec, draft, tensor_parallel_size: int) -> dict:
+    """What the draft model's pages in a tier entry depend on: its weights and KV shape."""
+    path = None
+    if isinstance(spec.model, str):
+        from jpaged.loading import presets
+        path, _ = presets.resolve(spec.model, {})
+        if path is None:
+            from jpaged.loading.gguf_loader import default_model_path
+            path = default_model_path()
+    c = draft.config
+    return {"weights": _weights_digest(path, draft), "layers": c.num_layers, "head_dim": c.head_dim,
+            "kv_heads_per_device": max(1, c.num_kv_heads // tensor_parallel_size)}
+
+
 def kv_offload_connector(config: EngineConfig, model, *, in_memory: bool, dtype, kv_dtype,
-                         layout: KVCacheLayout) -> KVOffload:
+                         layout: KVCacheLayout, draft=None) -> KVOffload:
     """The prefix-cache tiers of ``config.cache.kv_offload``, the disk tier in a namespace of this
-    model's weights and KV layout (`jpaged.core.kv_offload.namespace`)."""
+    model's weights and KV layout (`jpaged.core.kv_offload.namespace`), and of the draft model's
+    (whose pages a tier entry carries too)."""
     cc, mc = config.cache, model.config
     path = config.model
     if path is None and not in_memory:
         from jpaged.loading.gguf_loader import default_model_path
         path = default_model_path()
-    if not in_memory and isinstance(path, str) and os.path.exists(path):
-        weights = "files:" + kv_namespace.checkpoint_digest(path)
-    else:  # a model given in memory
-        weights = "params:" + kv_namespace.params_digest(jax.tree.leaves(nnx.state(model)))
+    weights = _weights_digest(None if in_memory else path, model)
+    extra = {} if draft is None else {
+        "draft": _draft_descriptor(config.speculative_config, draft, config.tensor_parallel_size)}
     name = kv_namespace.namespace(
         weights, dtype=jnp.dtype(dtype).name, kv_dtype=jnp.dtype(kv_dtype).name, block_size=cc.block_size,
         group_windows=list(layout.group_windows), layers=[list(x) for x in layout.layers],
         num_tensors=layout.num_tensors, head_dim=mc.head_dim,
         kv_heads_per_device=max(1, mc.num_kv_heads // config.tensor_parallel_size),
-        quantization=config.quantization)
+        quantization=config.quantization, **extra)
     o = cc.kv_offload
     logger.info("kv_offload: host tier %.1f MiB, disk tier %s", o.host_bytes / 2**20,
                 f"{o.disk_bytes / 2**20:.1f} MiB in {os.path.join(o.disk_path, name)}" if o.disk_path else "off")
@@ -289,10 +310,8 @@ def build(config: EngineConfig, model=None, tokenizer=None, devices=None) -> Eng
     kv_cache = kv_cache_manager(config, num_blocks, max_model_len, layout)
     offload = None
     if cc.kv_offload is not None:
-        if draft is not None:
-            raise ValueError("kv_offload: the tiers keep the target model's blocks only; speculative_config "
-                             "(method='draft_model') also needs the draft's (use method='ngram')")
-        offload = kv_offload_connector(config, model, in_memory=in_memory, dtype=dtype, kv_dtype=kv_dtype, layout=layout)
+        offload = kv_offload_connector(config, model, in_memory=in_memory, dtype=dtype, kv_dtype=kv_dtype, layout=layout,
+                                       draft=draft)
         kv_cache.pool.offload = offload
     swap_blocks = cc.swap_space_bytes // per_block if cc.preemption_mode == "swap" else 0
     scheduler = Scheduler(sc, kv_cache, max_model_len=max_model_len, preemption_mode=cc.preemption_mode,

@@ -45,7 +45,7 @@ from starlette.requests import ClientDisconnect
 
 from jpaged.engine.async_engine import (AdmissionError, AsyncLLMEngine, EngineError, QueueFullError,
                                        RequestAbortedError)
-from jpaged.agents.chat_output import ChatOutputStream, parse_chat_output, tool_call_deltas
+from jpaged.agents.chat_output import ChatOutputStream, merge_delta, parse_chat_output
 from jpaged.agents.tools import constrained_params
 from jpaged.engine.chat_template import apply_chat_template
 from jpaged.entrypoints.lora_adapters import ServedAdapters, add_lora_routes
@@ -543,8 +543,8 @@ class OpenAIServing:
         return {**base, "choices": choices, "usage": usage}
 
     async def _chat_events(self, body: ChatCompletionRequest, stream, base: dict, tool_request=None):
-        """Chunks per step: ``content`` and ``reasoning_content`` deltas as they parse, the tool calls
-        (one chunk per ``tool_calls`` delta, each with its ``index``) when the choice ends."""
+        """Chunks per step: ``content``, ``reasoning_content`` and ``tool_calls`` deltas (each call's
+        ``index``, ``id`` and name, then its arguments in pieces) as they parse."""
         base = {**base, "object": "chat.completion.chunk"}
         top = body.top_logprobs or 0
         prompt_tokens = completion_tokens = cached = 0
@@ -561,23 +561,13 @@ class OpenAIServing:
                         raise error
                     completion_tokens += len(c.token_ids)
                     parser = parsers[c.index]
-                    delta, calls, finish_reason = parser.feed(c.text), [], c.finish_reason
+                    delta, finish_reason = parser.feed(c.text), c.finish_reason
                     if c.finish_reason is not None:
-                        last, calls, finish_reason = parser.finish(c.finish_reason)
-                        for key, piece in last.items():
-                            delta[key] = delta.get(key, "") + piece
+                        last, _, finish_reason = parser.finish(c.finish_reason)
+                        merge_delta(delta, last)
                     logprobs = self.chat_logprobs(c.token_ids, c.logprobs, top) if body.logprobs else None
-                    if delta or logprobs or not calls:
-                        yield _sse({**base, "choices": [{"index": c.index, "delta": delta, "logprobs": logprobs,
-                                                         "finish_reason": None if calls else finish_reason,
-                                                         "stop_reason": None if calls else c.stop_reason}]})
-                    for piece in tool_call_deltas(calls):
-                        yield _sse({**base, "choices": [{"index": c.index, "delta": {"tool_calls": [piece]},
-                                                         "logprobs": None, "finish_reason": None}]})
-                    if calls:
-                        yield _sse({**base, "choices": [{"index": c.index, "delta": {}, "logprobs": None,
-                                                         "finish_reason": finish_reason,
-                                                         "stop_reason": c.stop_reason}]})
+                    yield _sse({**base, "choices": [{"index": c.index, "delta": delta, "logprobs": logprobs,
+                                                     "finish_reason": finish_reason, "stop_reason": c.stop_reason}]})
             if body.include_usage:
                 yield _sse({**base, "choices": [], "usage": self.usage(prompt_tokens, completion_tokens, cached)})
         finally:

@@ -8,7 +8,9 @@ split over the mesh's ``model`` axis on its head axis (tensor parallelism).
 Moves: copy-on-write copies (``copy_blocks``, one batched call per step), and swapping between
 the device pool and a host buffer of ``num_host_blocks`` blocks (filled only when a request is
 swapped out) by the block-id pairs of the step; and reading and writing whole blocks for the
-prefix-cache tiers (`read_blocks`, `write_blocks`: `jpaged.core.kv_offload`).
+prefix-cache tiers (`read_blocks`, `write_blocks`: `jpaged.core.kv_offload`). The tiers' moves go
+in chunks of at most ``MAX_TRANSFER_BLOCKS`` blocks, each padded to a power of two, so the few
+shapes of `transfer_buckets` cover every count and `compile_transfers` compiles them all at warm-up.
 """
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,29 @@ import jpaged_kernels
 from jpaged import sharding
 from jpaged.runner.compile_counter import CompileCounter
 from jpaged.utils import padded_ids
+
+MAX_TRANSFER_BLOCKS = 64  # blocks per gather / scatter call of the tiers' moves; more go in several calls
+MIN_TRANSFER_BLOCKS = 4
+
+
+def transfer_buckets(num_blocks: int) -> list[int]:
+    """The padded block counts a tier move of a pool of ``num_blocks`` blocks can have."""
+    top = min(MAX_TRANSFER_BLOCKS, max(MIN_TRANSFER_BLOCKS, 1 << max(0, num_blocks - 1).bit_length()))
+    buckets, n = [], MIN_TRANSFER_BLOCKS
+    while n <= top:
+        buckets.append(n)
+        n *= 2
+    return buckets
+
+
+def _chunks(items: list) -> list[list]:
+    return [items[i:i + MAX_TRANSFER_BLOCKS] for i in range(0, len(items), MAX_TRANSFER_BLOCKS)]
+
+
+def jit_transfers(mesh):
+    """The jitted whole-block gather (to a replicated array) and scatter (the pool donated)."""
+    return (jax.jit(_gather_blocks, out_shardings=sharding.replicated(mesh)),
+            jax.jit(_scatter_blocks, donate_argnums=(0,)))
 
 
 def _gather_blocks(kv_caches, blocks):
@@ -63,8 +88,7 @@ class KVPool:
         self.caches = self.new_caches()
         self.host: tuple[np.ndarray, ...] | None = None  # made at the first swap-out
         self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
-        self._gather = jax.jit(_gather_blocks, out_shardings=sharding.replicated(mesh))
-        self._scatter = jax.jit(_scatter_blocks, donate_argnums=(0,))
+        self._gather, self._scatter = jit_transfers(mesh)
 
     def array_specs(self) -> list[tuple[tuple, object]]:
         """(shape, dtype) of each array of one layer's cache."""
@@ -123,25 +147,42 @@ class KVPool:
         returns a function that waits and gives each block's arrays, a tuple per block of
         ``[layers, kv_heads, block_size, ...]`` arrays (pages, then scale words). Dispatched before
         the step, the copy reads the blocks as they were before the step writes."""
-        data = self._gather(self.caches, padded_ids(list(blocks), 4, fill=0))
-        for array in data:
-            if hasattr(array, "copy_to_host_async"):
-                array.copy_to_host_async()
+        parts = []
+        for chunk in _chunks(list(blocks)):
+            ids = padded_ids(chunk, MIN_TRANSFER_BLOCKS, fill=0)
+            data = self.counter.call("tier_gather", self._gather, self.caches, ids, num_fixed=1)
+            for array in data:
+                if hasattr(array, "copy_to_host_async"):
+                    array.copy_to_host_async()
+            parts.append((len(chunk), data))
 
         def result() -> list[tuple[np.ndarray, ...]]:
-            arrays = [np.asarray(a) for a in data]
-            return [tuple(np.ascontiguousarray(a[:, :, i]) for a in arrays) for i in range(len(blocks))]
+            out = []
+            for n, data in parts:
+                arrays = [np.asarray(a) for a in data]
+                out += [tuple(np.ascontiguousarray(a[:, :, i]) for a in arrays) for i in range(n)]
+            return out
         return result
 
     def write_blocks(self, loads: list[tuple[int, tuple]]) -> None:
         """Writes block arrays (as `read_blocks` gives them) into device blocks, (block, arrays) pairs,
-        in one host -> device transfer."""
-        if not loads:
-            return
-        blocks = padded_ids([b for b, _ in loads], 4)
-        data = []
-        for k in range(len(loads[0][1])):
-            d = np.stack([arrays[k] for _, arrays in loads], axis=2)
-            pad = np.zeros(d.shape[:2] + (len(blocks) - d.shape[2],) + d.shape[3:], d.dtype)
-            data.append(np.concatenate([d, pad], axis=2))
-        self.caches = self._scatter(self.caches, blocks, tuple(data))
+        one host -> device transfer per chunk."""
+        for chunk in _chunks(list(loads)):
+            blocks = padded_ids([b for b, _ in chunk], MIN_TRANSFER_BLOCKS)
+            data = []
+            for k in range(len(chunk[0][1])):
+                d = np.stack([arrays[k] for _, arrays in chunk], axis=2)
+                pad = np.zeros(d.shape[:2] + (len(blocks) - d.shape[2],) + d.shape[3:], d.dtype)
+                data.append(np.concatenate([d, pad], axis=2))
+            self.caches = self.counter.call("tier_scatter", self._scatter, self.caches, blocks, tuple(data),
+                                            num_fixed=1)
+
+    def compile_transfers(self) -> None:
+        """Compiles the tiers' gather and scatter for every count of `transfer_buckets`: a gather
+        of block 0 and a scatter to no block (negative ids are dropped), so nothing changes."""
+        for n in transfer_buckets(self.num_blocks):
+            ids = np.zeros(n, np.int32)
+            gathered = [np.asarray(a) for a in
+                        self.counter.call("tier_gather", self._gather, self.caches, ids, num_fixed=1)]
+            self.caches = self.counter.call("tier_scatter", self._scatter, self.caches, np.full(n, -1, np.int32),
+                                            tuple(np.zeros_like(a) for a in gathered), num_fixed=1)

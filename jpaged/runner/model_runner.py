@@ -196,12 +196,12 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> list[StepResult]:
         """Runs the step (``out.num_steps`` of them for a decode window): one result per step."""
         start = time.perf_counter()
-        stored = self.kv_pool.read_blocks([b for b, _ in out.kv_stores]) if out.kv_stores else None
+        stored = [pool.read_blocks([b for b, _ in out.kv_stores]) for pool in self.kv_pools] if out.kv_stores else None
         for pool in self.kv_pools:  # a draft model's pool has the same block tables
             pool.swap_out(out.swap_out)  # before anything this step writes into the freed blocks
         if out.kv_loads:  # tier hits into free blocks, before the step reads them
             loading = time.perf_counter()
-            self.kv_pool.write_blocks(out.kv_loads)
+            self.write_tier_blocks(out.kv_loads)
             self.kv_offload.note_load_seconds(time.perf_counter() - loading)
         for pool in self.kv_pools:
             pool.swap_in(out.swap_in)
@@ -237,9 +237,19 @@ class ModelRunner:
                 if drafts is not None:
                     results[0].draft_token_ids = np.asarray(drafts)[:len(out.seqs)]
         results[0].prepare_seconds, results[0].device_seconds = prepared - start, time.perf_counter() - prepared
-        if stored is not None:  # the copies ran beside the step
-            self.kv_offload.store([key for _, key in out.kv_stores], stored())
+        if stored is not None:  # the copies ran beside the step; a block's arrays: the target's, then the draft's
+            blocks = [sum(parts, ()) for parts in zip(*(read() for read in stored))]
+            self.kv_offload.store([key for _, key in out.kv_stores], blocks)
         return results
+
+    def write_tier_blocks(self, loads: list[tuple[int, tuple]]) -> None:
+        """Tier blocks into the device pools: each block's arrays are the target pool's, then the
+        draft model's (as `execute` stores them)."""
+        start = 0
+        for pool in self.kv_pools:
+            n = len(pool.array_specs())
+            pool.write_blocks([(block, arrays[start:start + n]) for block, arrays in loads])
+            start += n
 
     def _run(self, inputs, md, sampling, prompt_lp):
         """(sampled tokens, logprobs, top ids, top logprobs), prompt-logprob results or None."""

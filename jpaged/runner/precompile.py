@@ -8,7 +8,8 @@ the pallas backend the decode-only step of each decode bucket too (it runs the d
 same plan is what `jpaged.engine.aot` compiles for a target without one. With speculative decoding
 a step samples up to ``max_num_seqs * (1 + num_speculative_tokens)`` rows
 (`StepBuckets.max_num_rows`): the row buckets past ``max_num_seqs`` are verification steps, and a
-draft model's calls compile with the steps they follow. Dummy steps write into block 0, which is
+draft model's calls compile with the steps they follow. With prefix-cache tiers, the pool's block
+gather and scatter compile for every padded count their moves use (`KVPool.compile_transfers`). Dummy steps write into block 0, which is
 free: nothing reads it before its owner writes it.
 """
 import time
@@ -105,7 +106,9 @@ def warm_up(runner: ModelRunner, *, max_tokens: int, max_seqs: int, precompile: 
     plan = step_plan(runner.buckets, max_tokens=max_tokens, max_seqs=max_seqs, whole_step=runner.pieces is None,
                      precompile=precompile)
     # the heads (CPU layer pieces) and the decode windows count as one unit each
-    extra = int(precompile and runner.pieces is not None) + int(precompile and decode_windows)
+    # and the prefix-cache tiers' block moves count as one unit each
+    extra = (int(precompile and runner.pieces is not None) + int(precompile and decode_windows)
+             + int(precompile and runner.kv_offload is not None))
     progress = CountProgress("precompile: step shapes", len(plan) + extra)
     try:
         for step in plan:
@@ -117,6 +120,10 @@ def warm_up(runner: ModelRunner, *, max_tokens: int, max_seqs: int, precompile: 
                 progress.update()
             if decode_windows:
                 runner.compile_decode_windows(max_seqs)
+                progress.update()
+            if runner.kv_offload is not None:
+                for pool in runner.kv_pools:
+                    pool.compile_transfers()
                 progress.update()
     finally:
         progress.close()

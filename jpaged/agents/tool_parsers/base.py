@@ -74,7 +74,9 @@ class ToolParser:
 
     ``markers``: the strings that begin the calls; with ``at_start_only`` the calls are the whole
     output, so a marker counts only as its first non-whitespace text. `parse` returns
-    ``(content, calls)`` and raises MalformedCall for text that starts calls it cannot read.
+    ``(content, calls)`` and raises MalformedCall for text that starts calls it cannot read;
+    `partial_calls` the calls of text still being generated (`partial.PartialCall`), whose
+    arguments are streamed.
     """
 
     name = ""
@@ -83,3 +85,8 @@ class ToolParser:
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         raise NotImplementedError
+
+    def partial_calls(self, text: str) -> list:
+        """The calls of ``text`` read so far, in order (a format that cannot be read before it ends
+        lists none: its calls are sent whole at the end)."""
+        return []

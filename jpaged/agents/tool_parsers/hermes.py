@@ -3,6 +3,7 @@ one block per call, text around them is content. An unclosed last block (EOS bef
 import re
 
 from jpaged.agents.tool_parsers.base import MalformedCall, ToolParser, join_outside, json_values, make_call
+from jpaged.agents.tool_parsers.partial import json_call
 
 BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
@@ -22,3 +23,12 @@ class HermesToolParser(ToolParser):
             calls.append(make_call(values[0].get("name"), values[0].get("arguments", values[0].get("parameters"))))
         segments.append(text[start:])
         return join_outside(segments), calls
+
+    def partial_calls(self, text):
+        calls = []
+        for m in re.finditer("<tool_call>", text):
+            call, _ = json_call(text, m.end())
+            if call is None:
+                break
+            calls.append(call)
+        return calls

@@ -3,6 +3,7 @@
 import ast
 
 from jpaged.agents.tool_parsers.base import MalformedCall, ToolParser, make_call
+from jpaged.agents.tool_parsers.partial import pythonic_calls, skip_space
 
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 
@@ -30,3 +31,9 @@ class PythonicToolParser(ToolParser):
                 raise MalformedCall(f"{node.func.id}: an argument is not a literal") from None
             calls.append(make_call(node.func.id, arguments))
         return "", calls
+
+    def partial_calls(self, text):
+        i = skip_space(text, 0)
+        if text.startswith(PYTHON_START, i):
+            i = skip_space(text, i + len(PYTHON_START))
+        return pythonic_calls(text, i + 1) if text.startswith("[", i) else []
