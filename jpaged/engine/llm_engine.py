@@ -204,7 +204,8 @@ class LLMEngine:
         if self.config.quantization == "gguf":
             raise ValueError("update_weights: quantization='gguf' keeps a GGUF file's blocks, which new float "
                              "weights cannot become; build a new LLM (quantization=None or 'int8' re-quantize)")
-        leaves = self.runner.weight_targets.new_leaves(weights)  # every check before anything changes
+        # every check before anything changes; the new leaves may take over the old ones' buffers
+        leaves = self.runner.weight_targets.new_leaves(weights, old=self.runner.current_leaves())
         self.runner.load_weights(leaves)
         self.weights_version += 1
         self.kv_cache.set_weights_version(self.weights_version)
