@@ -154,7 +154,12 @@ def test_int8_engine_quantizes_again(llama_dir, second_llama):
 
 
 def live_bytes() -> int:
-    return sum(x.nbytes for x in jax.live_arrays())
+    """Bytes of JAX's live arrays, each buffer once (on the CPU an array may alias another's)."""
+    buffers = {}
+    for x in jax.live_arrays():
+        for shard in x.addressable_shards:
+            buffers[shard.data.unsafe_buffer_pointer()] = shard.data.nbytes
+    return sum(buffers.values())
 
 
 def test_sleep_frees_the_device_and_wake_up_restores(llm, llama_dir, second_llama):
@@ -162,14 +167,18 @@ def test_sleep_frees_the_device_and_wake_up_restores(llm, llama_dir, second_llam
     before = greedy_tokens(llm, PROMPT)
     compilations, executables = llm.get_metrics()["num_compilations"], jit_cache_sizes(engine.runner)
     awake = live_bytes()
-    pool_bytes = sum(x.nbytes for layer in engine.runner.kv_pool.caches for x in layer)
+    pool_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.runner.kv_pool.caches))
+    model_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.runner.state))
     llm.sleep(level=1)
-    assert awake - live_bytes() >= pool_bytes  # the pool and the weights left the device
+    # the pool and every leaf of the model left the device: nothing of the engine's stays behind
+    # (no view of a host copy, no old buffer held by a closure, a cache or the last step's outputs)
+    assert awake - live_bytes() >= pool_bytes + model_bytes
     with pytest.raises(RuntimeError, match="asleep"):
         llm.generate([PROMPT], GREEDY, use_tqdm=False)
     with pytest.raises(RuntimeError, match="asleep"):
         llm.sleep()
     llm.wake_up()
+    assert live_bytes() <= awake  # the same pool and weights again, and nothing of before
     after = greedy_tokens(llm, PROMPT)
     assert after.outputs[0].token_ids == before.outputs[0].token_ids
     assert after.num_cached_tokens == 0  # the pool was freed: nothing cached survives

@@ -171,7 +171,9 @@ class ModelRunner:
         targets = self.weight_targets
         keep = [p for p in targets.paths if level == 1 or p not in targets.param_paths]
         flat = dict(zip(targets.paths, jax.tree.leaves(self.state)))
-        self.sleeping_leaves = dict(zip(keep, jax.device_get([flat[p] for p in keep])))
+        host = jax.device_get([flat[p] for p in keep])
+        # on the CPU, device_get may return a view of the device buffer, which would keep it alive
+        self.sleeping_leaves = {p: h if h.flags.owndata else h.copy() for p, h in zip(keep, host)}
         self.state = None
         if self.pieces is not None:
             self.pieces.shell_state, self.pieces.layer_leaves = None, None
