@@ -349,3 +349,41 @@ def test_data_parallel_replicas_all_update_and_sleep(llama_dir, second_llama):
     llm.wake_up()
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == \
         [o.outputs[0].token_ids for o in outs]
+
+
+def test_draft_model_weights_update_too(llm, llama_dir, second_llama):
+    """The target as its own draft: after a target-only update the draft still proposes from the
+    old weights (outputs stay the new target's, fewer proposals accepted); with ``draft_weights``
+    the two agree again (every proposal accepted)."""
+    spec = {"method": "draft_model", "model": llama_dir[0], "num_speculative_tokens": 3}
+    spec_llm = LLM(llama_dir[0], speculative_config=spec, **ENGINE)
+    current = llama_dir
+
+    def acceptance(prompt):
+        before = spec_llm.get_metrics()
+        out = assert_serves(spec_llm, current[1], prompt)
+        after = spec_llm.get_metrics()
+        drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+        return out, (after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]) / drafted
+
+    assert acceptance(PROMPT)[1] == 1.0
+    compilations = spec_llm.get_metrics()["num_compilations"]
+    with pytest.raises(ValueError, match="draft_weights: .*missing"):  # the draft's checked first
+        spec_llm.update_weights(second_llama[0], draft_weights={"model.norm.weight": np.ones(64, np.float32)})
+    assert acceptance(PROMPT)[1] == 1.0  # neither changed
+    current = second_llama
+    spec_llm.update_weights(second_llama[0])
+    assert acceptance(PROMPT)[1] < 1.0  # the new target's tokens, the old draft's proposals
+    spec_llm.update_weights(second_llama[0], draft_weights=hf_state_dict(second_llama[1]))
+    out, rate = acceptance(PROMPT)
+    assert rate == 1.0 and out.num_cached_tokens == 0
+    spec_llm.sleep(level=2)  # the draft's weights wait on the host; the target's come with the update
+    spec_llm.update_weights(llama_dir[0], draft_weights=llama_dir[0])
+    spec_llm.wake_up()
+    current = llama_dir
+    assert acceptance(list(range(40, 70)))[1] == 1.0
+    assert spec_llm.get_metrics()["num_compilations"] == compilations
+    m = spec_llm.get_metrics()
+    assert m["num_free_blocks"] == m["num_total_blocks"]
+    with pytest.raises(ValueError, match="draft_weights: the engine has no draft model"):
+        llm.update_weights(llama_dir[0], draft_weights=llama_dir[0])

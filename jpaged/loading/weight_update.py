@@ -44,6 +44,12 @@ def quantize_int8_jnp(w, axis: int):
     return q, scale
 
 
+def host_copies(arrays: list) -> list:
+    """Host (numpy) copies of device arrays that own their memory: on the CPU ``device_get`` may
+    return a view of the device buffer, which would keep it alive."""
+    return [h if h.flags.owndata else h.copy() for h in jax.device_get(arrays)]
+
+
 def _name(path: tuple) -> str:
     return ".".join(map(str, path))
 

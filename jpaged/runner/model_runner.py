@@ -25,7 +25,7 @@ from flax import nnx
 from jpaged import sharding
 from jpaged.core.kv_cache_layout import KVCacheLayout, kv_cache_layout
 from jpaged.core.scheduler_output import SchedulerOutput, StepResult
-from jpaged.loading.weight_update import WeightTargets
+from jpaged.loading.weight_update import WeightTargets, host_copies
 from jpaged.models.attention import attention_backend_of, make_attention_metadata
 from jpaged.runner.buckets import StepBuckets
 from jpaged.runner.decode_window import decode_window
@@ -171,12 +171,12 @@ class ModelRunner:
         targets = self.weight_targets
         keep = [p for p in targets.paths if level == 1 or p not in targets.param_paths]
         flat = dict(zip(targets.paths, jax.tree.leaves(self.state)))
-        host = jax.device_get([flat[p] for p in keep])
-        # on the CPU, device_get may return a view of the device buffer, which would keep it alive
-        self.sleeping_leaves = {p: h if h.flags.owndata else h.copy() for p, h in zip(keep, host)}
+        self.sleeping_leaves = dict(zip(keep, host_copies([flat[p] for p in keep])))
         self.state = None
         if self.pieces is not None:
             self.pieces.shell_state, self.pieces.layer_leaves = None, None
+        if self.drafter is not None:
+            self.drafter.sleep()
         for pool in self.kv_pools:
             pool.caches, pool.host = None, None
         gc.collect()  # buffers held only by reference cycles (NNX modules) are freed now, not later
@@ -190,6 +190,8 @@ class ModelRunner:
                              f"first (missing e.g. {'.'.join(map(str, missing[0]))})")
         self._set_state(targets.state(targets.place_all(leaves)))
         self.sleeping_leaves = None
+        if self.drafter is not None:
+            self.drafter.wake_up()
         for pool in self.kv_pools:
             pool.reset()
 
