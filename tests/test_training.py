@@ -14,6 +14,9 @@ import pytest
 
 from conftest import COMMON, hf_greedy, random_prompts
 from jpaged import LLM, SamplingParams
+from test_model_families import FAMILIES, family
+from test_model_families import engine as family_engine
+from test_models_paper import gpt2_dir, opt_dir  # noqa: F401 (fixtures)
 
 ENGINE = dict(num_kv_blocks=64, block_size=8, max_model_len=256)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8, logprobs=0)
@@ -206,6 +209,27 @@ def test_score_and_sampled_logprobs_equal_transformers(family, request):
     """Chunked prefill (24 tokens a step), a small pool (preemption), prefix caching on."""
     path, hf_model = request.getfixturevalue(family)
     llm = LLM(path, num_kv_blocks=14, block_size=8, max_model_len=256, max_num_batched_tokens=24)
+    assert_raw_logprobs_equal_transformers(llm, hf_model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FAMILIES) + ["gpt2_dir", "opt_dir", "tied_llama_dir"])
+def test_raw_logprobs_equal_transformers_in_every_family(name, request, tmp_path_factory):
+    """Every other family the engine serves (tests/test_model_families.py's tiny random models:
+    windows, soft caps, +1 norms, experts; GPT-2, OPT, tied embeddings), in its small pool with
+    chunked prefill: sampled-token and scored logprobs equal transformers' log_softmax."""
+    if name in FAMILIES:
+        hf_model = family(tmp_path_factory, name)[1]
+        llm = family_engine(tmp_path_factory, name, max_num_batched_tokens=24)
+    else:
+        path, hf_model = request.getfixturevalue(name)
+        llm = LLM(path, num_kv_blocks=14, block_size=8, max_model_len=256, max_num_batched_tokens=24)
+    assert_raw_logprobs_equal_transformers(llm, hf_model)
+
+
+def assert_raw_logprobs_equal_transformers(llm, hf_model):
+    """Sampled (temperature 1) completions of four prompts behind a cached prefix, in a pool that
+    preempts: their ``logprobs=0`` values and ``score`` equal transformers' within 1e-5."""
     rng = np.random.default_rng(3)
     prompts = random_prompts(rng, [40, 9, 30, 17])
     llm.generate(prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)  # a cached prefix to (not) use
