@@ -99,6 +99,26 @@ def test_update_weights_serves_the_new_model_without_compiling(llm, llama_dir, s
     assert m["num_free_blocks"] == m["num_total_blocks"]
 
 
+def test_update_donates_only_the_buffers_the_engine_owns(llm, llama_dir, second_llama):
+    """The new weights are written into the old ones' buffers where the engine made them; a
+    model given to ``LLM.from_model`` keeps its arrays (the caller's) through every update."""
+    from flax import nnx
+
+    runner = llm.llm_engine.runner
+    llm.update_weights(hf_state_dict(second_llama[1]))  # the engine's own buffers from here on
+    old = {p: x for p, x in zip(runner.weight_targets.paths, jax.tree.leaves(runner.state))}
+    llm.update_weights(llama_dir[0])
+    assert all(old[p].is_deleted() for p in runner.weight_targets.param_paths)
+    assert_serves(llm, llama_dir[1], PROMPT)
+    mine = nnx.merge(runner.graphdef, jax.tree.map(lambda x: x.copy(), runner.state))
+    given = jax.tree.leaves(nnx.state(mine))
+    shared = LLM.from_model(mine, **ENGINE)
+    for weights in (second_llama[0], hf_state_dict(second_llama[1])):
+        shared.update_weights(weights)
+        assert not any(x.is_deleted() for x in given)
+    assert_serves(shared, second_llama[1], PROMPT)
+
+
 @pytest.mark.slow
 def test_other_dtype_is_cast(llm, llama_dir):
     import ml_dtypes

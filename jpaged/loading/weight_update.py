@@ -267,9 +267,13 @@ class WeightTargets:
         they are (then borrowed), the rest from one jitted `_assemble` onto the leaves' shardings;
         ``old`` ({path: the engine's current leaf}): those the engine owns are donated to it."""
         out = {}
-        for path in [p for p in jobs if p in self.uncommitted]:  # buffers such as rotary tables
-            x, recipe = jobs.pop(path)
-            out[path] = self.place(path, x, _name(path))
+        for path in [p for p in jobs if p in self.uncommitted]:  # e.g. rotary tables, a given model's
+            x, recipe = jobs.pop(path)  # leaves: op by op, so that they stay uncommitted (jit keys on it)
+            if recipe != Recipe(False, 0, None, str(self.specs[path].dtype)):
+                x = _assemble((recipe,), [x], [])
+                x = x[0] if len(x) == 1 else x
+            for o, y in zip(self._outputs(path, recipe), x if isinstance(x, list) else [x]):
+                out[o] = self.place(o, y, _name(o))
         for path in [p for p, (x, r) in jobs.items() if self._in_place(p, x, r)]:
             out[path] = jobs.pop(path)[0]
             self.borrowed.add(path)
@@ -279,11 +283,14 @@ class WeightTargets:
         paths = tuple(jobs)
         recipes = tuple(jobs[p][1] for p in paths)
         outputs = tuple(o for p, r in zip(paths, recipes) for o in self._outputs(p, r))
-        donated = tuple(p for p in outputs if old is not None and p in old and p not in self.borrowed)
+        sources = {id(a) for x, _ in jobs.values() for a in (x if isinstance(x, tuple) else (x,))}
+        donated = tuple(p for p in outputs if old is not None and p in old and p not in self.borrowed
+                        and id(old[p]) not in sources)  # never a buffer the update also reads
         key = (recipes, outputs, donated)
         if key not in self._assemblers:
+            # keep_unused: the donated old leaves are not read, and an argument jit prunes is not donated
             self._assemblers[key] = jax.jit(functools.partial(_assemble, recipes), donate_argnums=(1,),
-                                            out_shardings=[self.specs[p].sharding for p in outputs])
+                                            keep_unused=True, out_shardings=[self.specs[p].sharding for p in outputs])
         leaves = self._assemblers[key]([jobs[p][0] for p in paths], [old[p] for p in donated])
         out.update(zip(outputs, leaves))
         self.borrowed.difference_update(outputs)
