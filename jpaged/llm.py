@@ -149,12 +149,13 @@ class LLM:
                 for o in outputs]
 
     # Training loops ---------------------------------------------------------------------------------
-    def update_weights(self, weights) -> None:
+    def update_weights(self, weights, draft_weights=None) -> None:
         """Serves new weights without compiling (`LLMEngine.update_weights`): an ``nnx.State`` of the
         engine's model, ``{hf_parameter_name: array}``, or a path (HF directory, safetensors file,
-        orbax checkpoint). A ValueError on a mismatch, and the old weights keep serving."""
+        orbax checkpoint). ``draft_weights``: the speculative draft model's, in the same forms (without
+        it the draft keeps its own). A ValueError on a mismatch, and the old weights keep serving."""
         with self._lock:
-            self.llm_engine.update_weights(weights)
+            self.llm_engine.update_weights(weights, draft_weights=draft_weights)
 
     def sleep(self, level: int = 1) -> None:
         """Frees the KV pool and moves the weights to host memory (level 2: drops them)."""

@@ -161,7 +161,9 @@ def shard_state(state, mesh: Mesh, expert_parallel: bool = False):
 def make_array(mesh: Mesh, spec: P, array: np.ndarray) -> jax.Array:
     """Places a host array straight into its shards: each device receives only its slice."""
     sharding = NamedSharding(mesh, spec)
-    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+    # each shard a copy: on the CPU a shard would alias the host array, and its per-device array
+    # then stays live (and counted) after the engine drops the weight (sleep, update_weights)
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: np.array(array[index]))
 
 
 # shard_map spec prefixes of `shard_heads`: activations [T, heads, ...] and pool arrays [heads, blocks, ...].

@@ -12,9 +12,13 @@ vocabulary 49152, tied embeddings; `bench_common.make_bench_model`, seeds 0 and 
   build warm     ``LLM(B)`` with the same settings: the compilation cache now holds every shape
   update path    ``llm.update_weights(B's directory)`` (read from disk, placed)
   update arrays  ``llm.update_weights({hf_name: jax.Array})``: a trainer's arrays on the device
+                 (HF ``[out, in]`` kernels: transposed in the one jitted assembly); first call
+                 (compiles the assembly) and a second one
+  update state   ``llm.update_weights(nnx.State)`` of the engine's own model: a copy of its
+                 float32 leaves (used as they are), and a bfloat16 copy (cast on the device)
   rollout        ``--num_prompts`` prompts x ``n`` samples, ``--max_tokens`` new tokens each,
                  temperature 1, ``ignore_eos``, ``logprobs=0``: generated tokens per second
-  sleep          the bytes of JAX's live device arrays (and the process's RSS) awake, after
+  sleep          the bytes of JAX's live device arrays (each buffer once) (and the process's RSS) awake, after
                  ``sleep(1)``, after ``wake_up()``, after ``sleep(2)``, and the seconds each takes
 
 ``num_compilations`` is read before and after each update: it must not move. A rollout engine is a
@@ -22,6 +26,7 @@ function ``(llm, prompts, n, max_tokens) -> (generated tokens, seconds)`` in ``R
 (``llm``: the jpaged `LLM` holding the weights to roll out with); the Tunix vanilla rollout
 registers its own there.
 """
+import gc
 import json
 import os
 import sys
@@ -88,7 +93,8 @@ def device_memory() -> dict:
 
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return {"live_array_mib": round(sum(x.nbytes for x in jax.live_arrays()) / 2**20, 1),
+    buffers = {s.data.unsafe_buffer_pointer(): s.data.nbytes for x in jax.live_arrays() for s in x.addressable_shards}
+    return {"live_array_mib": round(sum(buffers.values()) / 2**20, 1),
             "rss_mib": round(rss / 2**20, 1)}
 
 
@@ -116,6 +122,7 @@ def main(argv):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jpaged-rl-jax-"))
     import jax
+    import jax.numpy as jnp
 
     jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
     from jpaged import LLM
@@ -127,15 +134,28 @@ def main(argv):
     llm, results["build_cold_s"] = timed(lambda: LLM(path_a, **engine_settings()))
     other, results["build_warm_s"] = timed(lambda: LLM(path_b, **engine_settings()))
     del other
+    gc.collect()  # its buffers (NNX modules are reference cycles) before anything is measured
     compilations = llm.get_metrics()["num_compilations"]
-    placed = lambda: jax.block_until_ready(llm.llm_engine.runner.state)  # noqa: E731 -- transfers done
+    def placed() -> None:  # the transfers done (returns nothing: a kept result would hold the weights)
+        jax.block_until_ready(llm.llm_engine.runner.state)
+
     _, results["update_path_s"] = timed(lambda: (llm.update_weights(path_b), placed()))
     arrays = {k: jax.device_put(v) for k, v in read_named_weights(path_a).items() if k != "lm_head.weight"}
     jax.block_until_ready(arrays)
+    _, results["update_arrays_first_s"] = timed(lambda: (llm.update_weights(arrays), placed()))
     _, results["update_arrays_s"] = timed(lambda: (llm.update_weights(arrays), placed()))
+    arrays = None  # released before the next form
+    state = jax.tree.map(lambda x: x.copy(), llm.llm_engine.runner.state)
+    _, results["update_state_same_dtype_s"] = timed(lambda: (llm.update_weights(state), placed()))
+    state = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, state)
+    _, results["update_state_bf16_first_s"] = timed(lambda: (llm.update_weights(state), placed()))
+    _, results["update_state_bf16_s"] = timed(lambda: (llm.update_weights(state), placed()))
+    state = None
     results["compilations_added_by_updates"] = llm.get_metrics()["num_compilations"] - compilations
     results["update_arrays_vs_build_warm"] = results["update_arrays_s"] / results["build_warm_s"]
     results["update_path_vs_build_warm"] = results["update_path_s"] / results["build_warm_s"]
+    results["update_state_vs_build_warm"] = results["update_state_same_dtype_s"] / results["build_warm_s"]
+    print("updates:", json.dumps(results), flush=True)  # before the long rollout
     batch = prompts(F.num_prompts, F.prompt_len)
     for name in F.rollout_engines:
         tokens, seconds = ROLLOUT_ENGINES[name](llm, batch, F.n, F.max_tokens)

@@ -14,6 +14,9 @@ import pytest
 
 from conftest import COMMON, hf_greedy, random_prompts
 from jpaged import LLM, SamplingParams
+from test_model_families import FAMILIES, family
+from test_model_families import engine as family_engine
+from test_models_paper import gpt2_dir, opt_dir  # noqa: F401 (fixtures)
 
 ENGINE = dict(num_kv_blocks=64, block_size=8, max_model_len=256)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8, logprobs=0)
@@ -96,6 +99,26 @@ def test_update_weights_serves_the_new_model_without_compiling(llm, llama_dir, s
     assert m["num_free_blocks"] == m["num_total_blocks"]
 
 
+def test_update_donates_only_the_buffers_the_engine_owns(llm, llama_dir, second_llama):
+    """The new weights are written into the old ones' buffers where the engine made them; a
+    model given to ``LLM.from_model`` keeps its arrays (the caller's) through every update."""
+    from flax import nnx
+
+    runner = llm.llm_engine.runner
+    llm.update_weights(hf_state_dict(second_llama[1]))  # the engine's own buffers from here on
+    old = {p: x for p, x in zip(runner.weight_targets.paths, jax.tree.leaves(runner.state))}
+    llm.update_weights(llama_dir[0])
+    assert all(old[p].is_deleted() for p in runner.weight_targets.param_paths)
+    assert_serves(llm, llama_dir[1], PROMPT)
+    mine = nnx.merge(runner.graphdef, jax.tree.map(lambda x: x.copy(), runner.state))
+    given = jax.tree.leaves(nnx.state(mine))
+    shared = LLM.from_model(mine, **ENGINE)
+    for weights in (second_llama[0], hf_state_dict(second_llama[1])):
+        shared.update_weights(weights)
+        assert not any(x.is_deleted() for x in given)
+    assert_serves(shared, second_llama[1], PROMPT)
+
+
 @pytest.mark.slow
 def test_other_dtype_is_cast(llm, llama_dir):
     import ml_dtypes
@@ -154,7 +177,12 @@ def test_int8_engine_quantizes_again(llama_dir, second_llama):
 
 
 def live_bytes() -> int:
-    return sum(x.nbytes for x in jax.live_arrays())
+    """Bytes of JAX's live arrays, each buffer once (on the CPU an array may alias another's)."""
+    buffers = {}
+    for x in jax.live_arrays():
+        for shard in x.addressable_shards:
+            buffers[shard.data.unsafe_buffer_pointer()] = shard.data.nbytes
+    return sum(buffers.values())
 
 
 def test_sleep_frees_the_device_and_wake_up_restores(llm, llama_dir, second_llama):
@@ -162,14 +190,18 @@ def test_sleep_frees_the_device_and_wake_up_restores(llm, llama_dir, second_llam
     before = greedy_tokens(llm, PROMPT)
     compilations, executables = llm.get_metrics()["num_compilations"], jit_cache_sizes(engine.runner)
     awake = live_bytes()
-    pool_bytes = sum(x.nbytes for layer in engine.runner.kv_pool.caches for x in layer)
+    pool_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.runner.kv_pool.caches))
+    model_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.runner.state))
     llm.sleep(level=1)
-    assert awake - live_bytes() >= pool_bytes  # the pool and the weights left the device
+    # the pool and every leaf of the model left the device: nothing of the engine's stays behind
+    # (no view of a host copy, no old buffer held by a closure, a cache or the last step's outputs)
+    assert awake - live_bytes() >= pool_bytes + model_bytes
     with pytest.raises(RuntimeError, match="asleep"):
         llm.generate([PROMPT], GREEDY, use_tqdm=False)
     with pytest.raises(RuntimeError, match="asleep"):
         llm.sleep()
     llm.wake_up()
+    assert live_bytes() <= awake  # the same pool and weights again, and nothing of before
     after = greedy_tokens(llm, PROMPT)
     assert after.outputs[0].token_ids == before.outputs[0].token_ids
     assert after.num_cached_tokens == 0  # the pool was freed: nothing cached survives
@@ -197,6 +229,27 @@ def test_score_and_sampled_logprobs_equal_transformers(family, request):
     """Chunked prefill (24 tokens a step), a small pool (preemption), prefix caching on."""
     path, hf_model = request.getfixturevalue(family)
     llm = LLM(path, num_kv_blocks=14, block_size=8, max_model_len=256, max_num_batched_tokens=24)
+    assert_raw_logprobs_equal_transformers(llm, hf_model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FAMILIES) + ["gpt2_dir", "opt_dir", "tied_llama_dir"])
+def test_raw_logprobs_equal_transformers_in_every_family(name, request, tmp_path_factory):
+    """Every other family the engine serves (tests/test_model_families.py's tiny random models:
+    windows, soft caps, +1 norms, experts; GPT-2, OPT, tied embeddings), in its small pool with
+    chunked prefill: sampled-token and scored logprobs equal transformers' log_softmax."""
+    if name in FAMILIES:
+        hf_model = family(tmp_path_factory, name)[1]
+        llm = family_engine(tmp_path_factory, name, max_num_batched_tokens=24)
+    else:
+        path, hf_model = request.getfixturevalue(name)
+        llm = LLM(path, num_kv_blocks=14, block_size=8, max_model_len=256, max_num_batched_tokens=24)
+    assert_raw_logprobs_equal_transformers(llm, hf_model)
+
+
+def assert_raw_logprobs_equal_transformers(llm, hf_model):
+    """Sampled (temperature 1) completions of four prompts behind a cached prefix, in a pool that
+    preempts: their ``logprobs=0`` values and ``score`` equal transformers' within 1e-5."""
     rng = np.random.default_rng(3)
     prompts = random_prompts(rng, [40, 9, 30, 17])
     llm.generate(prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)  # a cached prefix to (not) use
@@ -340,3 +393,41 @@ def test_data_parallel_replicas_all_update_and_sleep(llama_dir, second_llama):
     llm.wake_up()
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == \
         [o.outputs[0].token_ids for o in outs]
+
+
+def test_draft_model_weights_update_too(llm, llama_dir, second_llama):
+    """The target as its own draft: after a target-only update the draft still proposes from the
+    old weights (outputs stay the new target's, fewer proposals accepted); with ``draft_weights``
+    the two agree again (every proposal accepted)."""
+    spec = {"method": "draft_model", "model": llama_dir[0], "num_speculative_tokens": 3}
+    spec_llm = LLM(llama_dir[0], speculative_config=spec, **ENGINE)
+    current = llama_dir
+
+    def acceptance(prompt):
+        before = spec_llm.get_metrics()
+        out = assert_serves(spec_llm, current[1], prompt)
+        after = spec_llm.get_metrics()
+        drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+        return out, (after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]) / drafted
+
+    assert acceptance(PROMPT)[1] == 1.0
+    compilations = spec_llm.get_metrics()["num_compilations"]
+    with pytest.raises(ValueError, match="draft_weights: .*missing"):  # the draft's checked first
+        spec_llm.update_weights(second_llama[0], draft_weights={"model.norm.weight": np.ones(64, np.float32)})
+    assert acceptance(PROMPT)[1] == 1.0  # neither changed
+    current = second_llama
+    spec_llm.update_weights(second_llama[0])
+    assert acceptance(PROMPT)[1] < 1.0  # the new target's tokens, the old draft's proposals
+    spec_llm.update_weights(second_llama[0], draft_weights=hf_state_dict(second_llama[1]))
+    out, rate = acceptance(PROMPT)
+    assert rate == 1.0 and out.num_cached_tokens == 0
+    spec_llm.sleep(level=2)  # the draft's weights wait on the host; the target's come with the update
+    spec_llm.update_weights(llama_dir[0], draft_weights=llama_dir[0])
+    spec_llm.wake_up()
+    current = llama_dir
+    assert acceptance(list(range(40, 70)))[1] == 1.0
+    assert spec_llm.get_metrics()["num_compilations"] == compilations
+    m = spec_llm.get_metrics()
+    assert m["num_free_blocks"] == m["num_total_blocks"]
+    with pytest.raises(ValueError, match="draft_weights: the engine has no draft model"):
+        llm.update_weights(llama_dir[0], draft_weights=llama_dir[0])

@@ -339,9 +339,10 @@ class AsyncLLMEngine:
     async def resume_generation(self) -> None:
         await asyncio.wrap_future(self.call(lambda: setattr(self.engine, "paused", False)))
 
-    async def update_weights(self, weights) -> None:
+    async def update_weights(self, weights, draft_weights=None) -> None:
         """`LLMEngine.update_weights` (refused with requests in flight unless paused)."""
-        await asyncio.wrap_future(self.call(functools.partial(self.engine.update_weights, weights)))
+        await asyncio.wrap_future(self.call(functools.partial(self.engine.update_weights, weights,
+                                                              draft_weights=draft_weights)))
 
     async def sleep(self, level: int = 1) -> None:
         await asyncio.wrap_future(self.call(functools.partial(self.engine.sleep, level)))

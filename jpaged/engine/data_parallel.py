@@ -110,10 +110,10 @@ class DataParallelEngine:
     def sleep_level(self) -> int:
         return self.replicas[0].sleep_level
 
-    def update_weights(self, weights) -> None:
+    def update_weights(self, weights, draft_weights=None) -> None:
         """`LLMEngine.update_weights` on every replica (a mismatch raises at the first, before any change)."""
         for engine in self.replicas:
-            engine.update_weights(weights)
+            engine.update_weights(weights, draft_weights=draft_weights)
 
     def sleep(self, level: int = 1) -> None:
         for engine in self.replicas:

@@ -194,18 +194,37 @@ class LLMEngine:
             raise RuntimeError(f"{what}: {len(self.requests)} request(s) in flight; let them finish or abort them "
                                "first" + (" (or pause generation)" if allow_paused else ""))
 
-    def update_weights(self, weights) -> None:
+    def update_weights(self, weights, draft_weights=None) -> None:
         """Serves new weights (an ``nnx.State`` of the engine's model, ``{hf_parameter_name: array}``
         or a checkpoint path; `jpaged.loading.weight_update`), cast and resharded onto the engine's
         dtypes and shardings, so nothing compiles. Refused while requests are in flight, unless the
         engine is paused (then they go on with the new weights). Every prefix-cache entry of the
-        old weights is invalid at once. A mismatch is a ValueError and the old weights keep serving."""
+        old weights is invalid at once. A mismatch is a ValueError and the old weights keep serving.
+
+        ``draft_weights``: new weights of the speculative draft model (``method="draft_model"``), in
+        any of the same forms, for the draft's architecture; checked and placed before the
+        target's, and kept only if the target's are valid too. Without it the draft keeps its
+        weights: its proposals are verified by the new target, so outputs stay the target's
+        (fewer are accepted as the two drift apart)."""
         self.check_idle("update_weights", allow_paused=True)
         if self.config.quantization == "gguf":
             raise ValueError("update_weights: quantization='gguf' keeps a GGUF file's blocks, which new float "
                              "weights cannot become; build a new LLM (quantization=None or 'int8' re-quantize)")
-        leaves = self.runner.weight_targets.new_leaves(weights)  # every check before anything changes
+        drafter = self.runner.drafter
+        draft_leaves = None
+        if draft_weights is not None:
+            if drafter is None:
+                raise ValueError("draft_weights: the engine has no draft model (speculative_config "
+                                 "method='draft_model')")
+            try:  # not donating the draft's old buffers: they serve on if the target's weights fail
+                draft_leaves = drafter.weight_targets.new_leaves(draft_weights)
+            except ValueError as e:
+                raise ValueError(f"draft_weights: {e}") from None
+        # every check before anything changes; the new leaves may take over the old ones' buffers
+        leaves = self.runner.weight_targets.new_leaves(weights, old=self.runner.current_leaves())
         self.runner.load_weights(leaves)
+        if draft_leaves is not None:
+            drafter.load_weights(draft_leaves)
         self.weights_version += 1
         self.kv_cache.set_weights_version(self.weights_version)
 

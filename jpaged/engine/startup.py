@@ -335,7 +335,8 @@ def build(config: EngineConfig, model=None, tokenizer=None, devices=None) -> Eng
     runner = ModelRunner(model, pool, buckets, mesh=mesh, dtype=dtype, max_decode_window=sc.num_scheduler_steps,
                          whole_step=mesh.devices.flat[0].platform in ("tpu", "gpu"), drafter=drafter,
                          kv_layout=layout, kv_offload=offload,
-                         processed_logprobs=config.logprobs_mode == "processed_logprobs", lora=lora)
+                         processed_logprobs=config.logprobs_mode == "processed_logprobs", lora=lora,
+                         weights_shared=in_memory)
     with phase("warm-up (compiling the step shapes)"):
         precompile.warm_up(runner, max_tokens=sc.max_num_batched_tokens, max_seqs=sc.max_num_seqs,
                            precompile=config.precompile, decode_windows=sc.num_scheduler_steps > 1)

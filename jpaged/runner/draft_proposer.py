@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from jpaged import sharding
+from jpaged.loading.weight_update import WeightTargets, host_copies
 from jpaged.models.attention import AttentionMetadata
 from jpaged.runner.decode_window import decode_window
 from jpaged.runner.kv_pool import KVPool
@@ -40,6 +41,8 @@ class DraftModelProposer:
 
         self.graphdef, state = nnx.split(model)
         self.state = sharding.shard_state(state, mesh)
+        self.weight_targets = WeightTargets(self.graphdef, self.state)  # what `update_weights` must match
+        self.sleeping_leaves: dict | None = None  # asleep: {path: host array} of every leaf
         self.kv_pool, self.mesh, self.k = kv_pool, mesh, num_speculative_tokens
         self.decode_only = attention_backend == "pallas"  # the loop's steps are decode-only
         self.counter = kv_pool.counter
@@ -50,6 +53,27 @@ class DraftModelProposer:
                                  block_size=kv_pool.block_size, vocab_size=model.config.vocab_size)
         self._propose = jax.jit(functools.partial(self._accept_and_propose, loop), donate_argnums=(1,),
                                 out_shardings=(replicated, pool))
+
+    # Weights and sleep: the draft's own, beside the target's (`ModelRunner`) ----------------------------
+    def load_weights(self, leaves: dict) -> None:
+        """Serves new draft parameters ({path: array} from ``weight_targets.new_leaves``); asleep,
+        they wait for `wake_up`."""
+        targets = self.weight_targets
+        if self.sleeping_leaves is not None:
+            self.sleeping_leaves.update(leaves)
+            return
+        flat = dict(zip(targets.paths, jax.tree.leaves(self.state)))
+        flat.update(leaves)
+        self.state = targets.state(flat)
+
+    def sleep(self) -> None:
+        """The draft's leaves to host memory (at either level: a trainer updates the target's)."""
+        self.sleeping_leaves = dict(zip(self.weight_targets.paths, host_copies(jax.tree.leaves(self.state))))
+        self.state = None
+
+    def wake_up(self) -> None:
+        self.state = self.weight_targets.state(self.weight_targets.place_all(self.sleeping_leaves))
+        self.sleeping_leaves = None
 
     def propose(self, out, inputs, md, sampled) -> np.ndarray:
         """Runs the draft after the target's step; [len(out.seqs), k] int32 proposals (rows of

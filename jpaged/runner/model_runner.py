@@ -24,7 +24,7 @@ from flax import nnx
 from jpaged import sharding
 from jpaged.core.kv_cache_layout import KVCacheLayout, kv_cache_layout
 from jpaged.core.scheduler_output import SchedulerOutput, StepResult
-from jpaged.loading.weight_update import WeightTargets
+from jpaged.loading.weight_update import WeightTargets, host_copies
 from jpaged.models.attention import attention_backend_of, make_attention_metadata
 from jpaged.runner.buckets import StepBuckets
 from jpaged.runner.decode_window import decode_window
@@ -77,7 +77,7 @@ class ModelRunner:
     def __init__(self, model, kv_pool: KVPool, buckets: StepBuckets, *, mesh, dtype, max_decode_window: int = 1,
                  whole_step: bool = False, drafter=None, kv_layout: KVCacheLayout | None = None,
                  kv_offload=None, processed_logprobs: bool = False,
-                 lora=None):
+                 lora=None, weights_shared: bool = False):
         """``dtype``: the model's activations. ``whole_step``: one jitted function per step
         (accelerators), else layer pieces where the model has them. ``max_decode_window``: the most
         decode steps one window runs. ``drafter``: a `DraftModelProposer` (speculative decoding
@@ -86,7 +86,8 @@ class ModelRunner:
         keeps the blocks a step stores. ``processed_logprobs``: logprobs of the distribution
         sampled from (``logprobs_mode="processed_logprobs"``), else the model's. ``lora``: the
         `LoRAManager` of a model served with adapters (its slot stacks attached), whose newly
-        assigned slots each step writes first."""
+        assigned slots each step writes first. ``weights_shared``: the model's buffers are the
+        caller's too (``LLM.from_model``), so a weight update never donates them."""
         self.processed_logprobs = processed_logprobs
         self.config, self.dtype = model.config, dtype
         self.kv_offload = kv_offload
@@ -107,7 +108,7 @@ class ModelRunner:
             leaves, treedef = jax.tree.flatten(self.state)
             self._lora_writer.prepare(leaves)
             self.state = jax.tree.unflatten(treedef, leaves)
-        self.weight_targets = WeightTargets(graphdef, self.state)  # what `load_weights` must match
+        self.weight_targets = WeightTargets(graphdef, self.state, weights_shared)  # what `load_weights` must match
         self.sleeping_leaves: dict | None = None  # asleep: {path: host array} of the leaves kept
         replicated, pool = sharding.replicated(mesh), kv_pool.shardings()
         self._replicated = replicated
@@ -148,6 +149,10 @@ class ModelRunner:
         return len(self.counter)
 
     # Weights and sleep ---------------------------------------------------------------------------------
+    def current_leaves(self) -> dict | None:
+        """{path: leaf} of the weights on the device (None asleep): an update may reuse their buffers."""
+        return None if self.state is None else dict(zip(self.weight_targets.paths, jax.tree.leaves(self.state)))
+
     def load_weights(self, leaves: dict) -> None:
         """Serves new parameter arrays ({path: array}, already on the engine's shardings and dtypes,
         `WeightTargets.new_leaves`); the other leaves stay. Same shapes and shardings: the compiled
@@ -172,10 +177,12 @@ class ModelRunner:
         targets = self.weight_targets
         keep = [p for p in targets.paths if level == 1 or p not in targets.param_paths]
         flat = dict(zip(targets.paths, jax.tree.leaves(self.state)))
-        self.sleeping_leaves = dict(zip(keep, jax.device_get([flat[p] for p in keep])))
+        self.sleeping_leaves = dict(zip(keep, host_copies([flat[p] for p in keep])))
         self.state = None
         if self.pieces is not None:
             self.pieces.shell_state, self.pieces.layer_leaves = None, None
+        if self.drafter is not None:
+            self.drafter.sleep()
         for pool in self.kv_pools:
             pool.caches, pool.host = None, None
         gc.collect()  # buffers held only by reference cycles (NNX modules) are freed now, not later
@@ -187,8 +194,10 @@ class ModelRunner:
         if missing:
             raise ValueError("wake_up: the weights were dropped by sleep(level=2); call update_weights(weights) "
                              f"first (missing e.g. {'.'.join(map(str, missing[0]))})")
-        self._set_state(targets.state({p: targets.place(p, leaves[p], ".".join(map(str, p))) for p in targets.paths}))
+        self._set_state(targets.state(targets.place_all(leaves)))
         self.sleeping_leaves = None
+        if self.drafter is not None:
+            self.drafter.wake_up()
         for pool in self.kv_pools:
             pool.reset()
 
