@@ -484,7 +484,7 @@ def test_runs_follows_the_choice_and_the_environment_overrides_it(fresh_choices,
 def test_a_failed_measurement_keeps_xla_in_this_process_only(fresh_choices, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("no")
-    monkeypatch.setattr(measure, "time_steps", broken)
+    monkeypatch.setattr(measure, "time_runs", broken)
     assert not measure.greedy(100, 3)
     assert not measure._entries()["greedy [100] rows<=16"]["cpp"]
     assert not fresh_choices.exists()  # a later process measures again
