@@ -87,6 +87,11 @@ def test_small_models_compile(tmp_path, name, target):
     assert any(n.endswith("decode-only") for n in names) and any("sampled" in n for n in names), names
     assert figures["num_devices"] == (2 if "--tensor_parallel_size=2" in target else 1)
     assert figures["weight_bytes"] > 0 and figures["max_temp_bytes"] > 0
+    roofline = figures["roofline"]  # the estimate beside the fit (tests/test_roofline.py checks its arithmetic)
+    assert roofline["label"].startswith("estimate") and roofline["source"].startswith("https://")
+    assert [s["rows"] for s in roofline["decode_steps"]] and all(s["min_step_ms"] > 0 for s in roofline["decode_steps"])
+    # ENGINE's max_model_len (256) is below the workload's 1,928 tokens: no batch, and the reason
+    assert roofline["workload"]["batch"] == 0 and "max_model_len=256" in roofline["workload"]["note"]
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 import jpaged_kernels
 from jpaged import sharding
 from jpaged.config import EngineConfig
+from jpaged.engine import roofline
 from jpaged.engine.startup import resolve_dtypes
 from jpaged.loading.model_loader import abstract_model, kv_replicated_config
 from jpaged.models import ModelConfig
@@ -32,7 +33,6 @@ from jpaged.runner.inputs import prepare_inputs
 from jpaged.runner.model_runner import jit_whole_step
 from jpaged.runner.precompile import step_plan
 from jpaged.sample.sampler import sampling_tensors
-from jpaged.utils import cdiv
 from jpaged_kernels.aot import targets as aot_targets
 from jpaged_kernels.aot.compile import captured_stderr, parse_spills
 
@@ -71,6 +71,7 @@ class EngineCompile:
     max_batch_at_max_model_len: int
     compile_seconds: float
     steps: list[StepCompile]
+    roofline: dict = dataclasses.field(default_factory=dict)  # `roofline.estimate`: an estimate, not a measurement
 
     @property
     def ok(self) -> bool:
@@ -109,6 +110,29 @@ def target_mesh(target: str, tensor_parallel_size: int, topology: str | None = N
     if len(topo.devices) < tensor_parallel_size:
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: the topology has {len(topo.devices)} chips")
     return sharding.make_mesh(tensor_parallel_size, topo.devices), hbm
+
+
+def is_stacked_expert(names: tuple) -> bool:
+    """Whether a parameter (its path names) is a stacked expert weight ``[E, ...]`` of an MoE layer."""
+    names = [n for n in names if isinstance(n, str)]
+    return len(names) > 1 and names[-2] == "experts" and names[-1] in sharding.EXPERT_LEAVES
+
+
+def deployment_roofline(state, mc: ModelConfig, layout: KVCacheLayout, target: str, *, per_block: int,
+                        block_size: int, tp: int, num_blocks: int, max_num_seqs: int, max_batched_tokens: int,
+                        max_model_len: int, steps: list) -> dict:
+    """`roofline.estimate` of the compiled deployment: its decode-only step shapes, and the
+    workload at as many requests as the pool and ``max_num_seqs`` hold at once."""
+    leaves = [(sharding.key_path_names(path), x.sharding.shard_shape(x.shape), x.dtype.itemsize)
+              for path, x in jax.tree_util.tree_leaves_with_path(state)]
+    cost = roofline.step_cost(leaves, config=mc, layout=layout, kv_bytes_per_block=per_block, block_size=block_size,
+                              tensor_parallel_size=tp, is_expert=is_stacked_expert)
+    prompt_tokens, output_tokens = roofline.WORKLOAD
+    per_request = layout.max_blocks_per_seq(prompt_tokens + output_tokens, block_size, max_batched_tokens)
+    rows = sorted({int(s.name.split("rows=")[1].split()[0]) for s in steps if s.name.endswith("decode-only")})
+    return roofline.estimate(cost, aot_targets.get(target), decode_rows=rows,
+                             fit_batch=min(max_num_seqs, num_blocks // per_request),
+                             max_batched_tokens=max_batched_tokens, max_model_len=max_model_len)
 
 
 def _placed(tree, sharding_of):
@@ -277,5 +301,9 @@ def compile_engine(model_config: ModelConfig, config: EngineConfig, target: str,
         max_temp_bytes=max((s.memory.get("temp_size_in_bytes", 0) for s in done), default=0),
         generated_code_bytes=max((s.memory.get("generated_code_size_in_bytes", 0) for s in done), default=0),
         max_batch_at_max_model_len=num_blocks // per_seq,
-        compile_seconds=time.perf_counter() - start, steps=steps)
+        compile_seconds=time.perf_counter() - start, steps=steps,
+        roofline=deployment_roofline(state, mc, layout, target, per_block=per_block, block_size=cc.block_size, tp=tp,
+                                     num_blocks=num_blocks, max_num_seqs=sc.max_num_seqs,
+                                     max_batched_tokens=sc.max_num_batched_tokens, max_model_len=max_model_len,
+                                     steps=steps))
 
