@@ -162,7 +162,7 @@ def abstract_state(config: ModelConfig, mesh, *, dtype, quantization: str | None
 
 def abstract_caches(config: ModelConfig, mesh, *, num_tensors: int, num_blocks: int, block_size: int, kv_dtype):
     specs = jpaged_kernels.pool.layer_arrays(config.num_kv_heads, num_blocks, block_size, config.head_dim, kv_dtype)
-    layer = tuple(jax.ShapeDtypeStruct(shape, dt, sharding=sharding.kv_pool_sharding(mesh, len(shape)))
+    layer = tuple(jax.ShapeDtypeStruct(shape, dt, sharding=sharding.kv_pool_format(mesh, len(shape)))
                   for shape, dt in specs)
     return [layer] * num_tensors
 
@@ -275,7 +275,7 @@ def compile_engine(model_config: ModelConfig, config: EngineConfig, target: str,
         def compile_all(num_blocks, steps, progress=None):
             caches = abstract_caches(mc, mesh, num_tensors=layout.num_tensors, num_blocks=num_blocks,
                                      block_size=cc.block_size, kv_dtype=kv_dtype)
-            fn = jit_whole_step(graphdef, mesh, [tuple(x.sharding for x in layer) for layer in caches])
+            fn = jit_whole_step(graphdef, mesh, [tuple(x.format for x in layer) for layer in caches])
             processed = config.logprobs_mode == "processed_logprobs"
             results = []
             for step in steps:
