@@ -41,6 +41,7 @@ import functools
 import re
 
 import jax
+from jax.experimental.layout import Format, Layout
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
@@ -181,12 +182,21 @@ def kv_pool_sharding(mesh: Mesh, ndim: int = 4) -> NamedSharding:
     return NamedSharding(mesh, P(MODEL_AXIS, *[None] * (ndim - 1)))
 
 
+def kv_pool_format(mesh: Mesh, ndim: int = 4) -> Format:
+    """`kv_pool_sharding` with the array's dimensions in row-major order, the order the kernels
+    read. XLA:TPU's default order for an array whose row-major tiles would be padded (pages of
+    head_dim 64 fill 64 of a tile's 128 lanes) is another one, and a step taking the pool in that
+    order copies the whole pool into row-major order and back around every kernel call. (On the
+    CPU row-major is the default order: nothing changes there.)"""
+    return Format(Layout(major_to_minor=tuple(range(ndim))), kv_pool_sharding(mesh, ndim))
+
+
 @functools.lru_cache(maxsize=None)
 def _zeros_fn(shape: tuple, dtype, sharding: NamedSharding):
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
-def zeros_sharded(shape, dtype, sharding: NamedSharding) -> jax.Array:
+def zeros_sharded(shape, dtype, sharding: NamedSharding | Format) -> jax.Array:
     """A zero array created directly in its shards (no full copy on one device); one compiled
     function per (shape, dtype, sharding), so a pool made again (`KVPool.reset`) compiles nothing."""
     return _zeros_fn(tuple(shape), jnp.dtype(dtype), sharding)()

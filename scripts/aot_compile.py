@@ -9,7 +9,9 @@ a device, with the real compilers (`jpaged.engine.aot`).
 Every engine flag of ``scripts/generate.py`` applies. Prints OK or the compiler's error per step
 shape, then per chip: weights, KV pool, temporaries, the KV blocks that fit under
 ``--memory_utilization`` of the chip's memory, the largest batch of ``max_model_len`` sequences, and
-the compile time. Exit status 1 if a step fails to compile or does not fit, 2 on a bad flag. The
+the compile time; then a roofline estimate (`jpaged.engine.roofline`, from the chip's published
+bandwidth and peak: never a measurement): per decode step shape the least step time and the most
+output tok/s, and the most a deployment serves of 1,800 prompt / 128 output token requests. Exit status 1 if a step fails to compile or does not fit, 2 on a bad flag. The
 compilers live in their own virtual environments (``scripts/setup_aot_compilers.sh``); run from the
 main environment, the script restarts itself in the one its target needs.
 """
@@ -116,6 +118,24 @@ def mib(n: int) -> str:
     return f"{n / 2**20:,.0f} MiB"
 
 
+def roofline_lines(estimate: dict) -> str:
+    """The summary's roofline estimate: a line per decode step shape, one for the workload."""
+    lines = [f"\nroofline ({estimate['label']}; {estimate['chip']}: {estimate['hbm_bytes_per_s'] / 1e9:,.0f} GB/s, "
+             f"{estimate['peak_flops'] / 1e12:,.0f} TFLOP/s, {estimate['source']}):"]
+    for s in estimate["decode_steps"]:
+        lines.append(f"  decode rows={s['rows']} at context {s['context']}: reads {mib(s['bytes'])}, "
+                     f"{s['flops'] / 1e9:,.1f} GFLOP per chip -> step >= {s['min_step_ms']:.2f} ms ({s['bound_by']}), "
+                     f"<= {s['max_output_tokens_per_s']:,.0f} output tok/s")
+    w = estimate["workload"]
+    if w["batch"]:
+        lines.append(f"  workload {w['prompt_tokens']} prompt / {w['output_tokens']} output tokens, {w['batch']} "
+                     f"requests at once: <= {w['output_tokens_per_s']:,.0f} output tok/s, "
+                     f"<= {w['requests_per_s']:.2f} req/s")
+    else:
+        lines.append(f"  workload {w['prompt_tokens']} prompt / {w['output_tokens']} output tokens: {w['note']}")
+    return "\n".join(lines)
+
+
 def main(argv):
     del argv
     name, platform, topology = target()
@@ -143,6 +163,7 @@ def main(argv):
           f"fit; {sum(s.ok for s in result.steps)} of {len(result.steps)} step shapes compiled in "
           f"{result.compile_seconds:.0f} s; {'fits' if result.fits else 'DOES NOT FIT'}"
           f"{result.pool_note(config.scheduler.max_num_seqs)}")
+    print(roofline_lines(result.roofline))
     if F.output_json:
         with open(F.output_json, "w") as f:
             json.dump(dataclasses.asdict(result) | {"ok": result.ok, "fits": result.fits}, f, indent=1)

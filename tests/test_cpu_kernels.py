@@ -1,5 +1,7 @@
 """The C++ CPU kernels (jpaged_kernels/cpu/, XLA FFI custom calls) against numpy and the jnp paths:
 paged attention (decode rows, prompt chunks), greedy sampling's reductions, the small matmul."""
+import contextlib
+import logging
 import os
 
 import jax
@@ -26,7 +28,7 @@ def fresh_choices(tmp_path, monkeypatch):
     assert cpu_kernels.available()
     monkeypatch.delenv("JPAGED_CPU_KERNELS", raising=False)
     monkeypatch.setattr(library, "choices_path", lambda: str(tmp_path / "choices.json"))
-    for state in (measure._choices, measure._loaded, measure._logged):
+    for state in (measure._choices, measure._loaded, measure._logged, measure._measured):
         monkeypatch.setattr(measure, next(k for k, v in vars(measure).items() if v is state), type(state)())
     return tmp_path / "choices.json"
 
@@ -340,19 +342,32 @@ def test_matmul_is_differentiable():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
 
 
+@contextlib.contextmanager
+def jpaged_log(caplog):
+    """caplog records the engine's INFO lines (its logger does not propagate once
+    `jpaged.logger` configured it)."""
+    jpaged_logger = logging.getLogger("jpaged")
+    handler = None if jpaged_logger.propagate else caplog.handler
+    if handler is not None:
+        jpaged_logger.addHandler(handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="jpaged"):
+            yield
+    finally:
+        if handler is not None:
+            jpaged_logger.removeHandler(handler)
+
+
 def test_the_measured_choice_is_kept_beside_the_library_and_reused(fresh_choices, monkeypatch, caplog):
     """A weight shape's row classes above one row are measured together at first use, kept in the
     file, logged in one line, and then read back (a second process, here a cleared cache) without
-    measuring again; one row is measured on its own when first needed."""
+    measuring again; one row is measured on its own when first needed. (A quiet machine assumed:
+    disturbed measurements are `test_a_disturbed_measurement_is_provisional_until_a_quiet_one`'s.)"""
     import json
-    import logging
-    jpaged_logger = logging.getLogger("jpaged")  # the engine's logger may not propagate to caplog's
-    jpaged_logger.addHandler(caplog.handler)
-    try:
-        with caplog.at_level(logging.INFO, logger="jpaged"):
-            first = measure.matmul(64, (96, 32), 5)
-    finally:
-        jpaged_logger.removeHandler(caplog.handler)
+    monkeypatch.setattr(measure, "busy", lambda: "")
+    monkeypatch.setattr(measure, "SPREAD", float("inf"))
+    with jpaged_log(caplog):
+        first = measure.matmul(64, (96, 32), 5)
     saved = json.loads(fresh_choices.read_text())[measure.context()]
     assert sorted(saved) == [f"matmul [64] x [96+32] rows<={b}" for b in (32, 64, 8)]
     assert all(e["cpp_ms"] > 0 and e["xla_ms"] > 0 and e["cpp"] == (e["cpp_ms"] <= measure.MARGIN * e["xla_ms"])
@@ -363,14 +378,87 @@ def test_the_measured_choice_is_kept_beside_the_library_and_reused(fresh_choices
 
     def no_timing(*args, **kwargs):
         raise AssertionError("measured again")
-    time_steps = measure.time_steps
-    monkeypatch.setattr(measure, "time_steps", no_timing)
+    time_runs = measure.time_runs
+    monkeypatch.setattr(measure, "time_runs", no_timing)
     measure._choices.clear()
     measure._loaded.clear()
+    measure._measured.clear()
     assert measure.matmul(64, (96, 32), 20) == saved["matmul [64] x [96+32] rows<=32"]["cpp"]
-    monkeypatch.setattr(measure, "time_steps", time_steps)
+    monkeypatch.setattr(measure, "time_runs", time_runs)
     measure.matmul(64, (96, 32), 1)
     assert "matmul [64] x [96+32] rows<=1" in json.loads(fresh_choices.read_text())[measure.context()]
+
+
+def new_start():
+    """What a new process sees: the choices file only."""
+    for state in (measure._choices, measure._loaded, measure._logged, measure._measured):
+        state.clear()
+
+
+def injected(monkeypatch, *runs_per_class):
+    """Every later measurement times its (C++, XLA) pair of each row class as given (milliseconds per
+    repeat), in order; returns the number of measurements taken."""
+    taken = []
+
+    def time_runs(steps, args, evict=()):
+        taken.append(1)
+        pairs = runs_per_class[min(len(taken), len(runs_per_class)) - 1]
+        return [[ms / 1e3 for ms in runs] for pair in pairs for runs in pair]
+    monkeypatch.setattr(measure, "time_runs", time_runs)
+    return taken
+
+
+MATMUL_KEYS = [f"matmul [64] x [96+32] rows<={b}" for b in (8, 32, 64)]
+NOISY = [((1.0, 2.0, 1.9), (1.5, 1.6, 3.0))] * 3  # C++ looks faster by its one lucky repeat
+QUIET = [((2.0, 2.04, 2.02), (1.5, 1.52, 1.51))] * 3  # XLA is faster
+
+
+def test_a_disturbed_measurement_is_provisional_until_a_quiet_one(fresh_choices, monkeypatch, caplog):
+    """Repeats that disagree without a clear margin give a provisional choice: it serves this process,
+    says so in its log line and is measured again at the next start, where the quiet measurement's
+    choice is kept for good (no third measurement)."""
+    import json
+    monkeypatch.setattr(measure, "load_average", lambda: 0.0)
+    taken = injected(monkeypatch, NOISY, QUIET)
+    with jpaged_log(caplog):
+        assert measure.matmul(64, (96, 32), 20) is True  # the noisy choice serves this process
+        assert measure.matmul(64, (96, 32), 40) is True and len(taken) == 1
+    saved = json.loads(fresh_choices.read_text())[measure.context()]
+    assert all(saved[k]["provisional"] and saved[k]["why"] == "repeats 100% apart" for k in MATMUL_KEYS)
+    line = next(r.getMessage() for r in caplog.records if "matmul [64] x [96+32]" in r.getMessage())
+    assert "provisional (repeats 100% apart; measured again at the next start)" in line
+
+    new_start()
+    assert measure.matmul(64, (96, 32), 20) is False and len(taken) == 2
+    saved = json.loads(fresh_choices.read_text())[measure.context()]
+    assert all(saved[k] == {"cpp": False, "cpp_ms": 2.0, "xla_ms": 1.5} for k in MATMUL_KEYS), saved
+    new_start()
+    assert measure.matmul(64, (96, 32), 20) is False and len(taken) == 2  # decided: not measured again
+
+
+def test_a_busy_machine_decides_only_after_repeated_measurements(fresh_choices, monkeypatch):
+    """On a busy machine (load above the cores) even agreeing repeats are provisional; a later quiet
+    start still replaces them, and a machine busy at every start decides on the least times of
+    `measure.MAX_MEASUREMENTS` measurements. A noisy but clear margin decides at once."""
+    import json
+    monkeypatch.setattr(measure, "load_average", lambda: 3.0 * measure.usable_cores())
+    busy_cpp = [((1.0, 1.01, 1.0), (1.5, 1.5, 1.52))] * 3
+    busy_xla = [((2.4, 2.4, 2.5), (1.2, 1.21, 1.2))] * 3
+    taken = injected(monkeypatch, busy_cpp, busy_xla, busy_cpp, QUIET)
+    for start in range(measure.MAX_MEASUREMENTS):
+        new_start()
+        measure.matmul(64, (96, 32), 20)
+        entry = json.loads(fresh_choices.read_text())[measure.context()][MATMUL_KEYS[1]]
+        assert entry["measurements"] == start + 1
+        assert entry.get("provisional", False) == (start + 1 < measure.MAX_MEASUREMENTS)
+    assert entry["cpp_ms"] == 1.0 and entry["xla_ms"] == 1.2 and entry["cpp"] is True
+    new_start()
+    measure.matmul(64, (96, 32), 20)
+    assert len(taken) == measure.MAX_MEASUREMENTS  # decided for good
+
+    assert measure.disturbed([1.0, 1.6], [2.0, 2.5]) == ""  # every C++ run beats every XLA run
+    assert measure.disturbed([1.0, 1.6], [1.5, 2.5]) == "repeats 67% apart"
+    assert measure.disturbed([1.0, 1.01], [1.5, 1.5], why_busy="load 7.0 on 2 cores") == "load 7.0 on 2 cores"
 
 
 def test_runs_follows_the_choice_and_the_environment_overrides_it(fresh_choices, monkeypatch):
@@ -396,7 +484,7 @@ def test_runs_follows_the_choice_and_the_environment_overrides_it(fresh_choices,
 def test_a_failed_measurement_keeps_xla_in_this_process_only(fresh_choices, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("no")
-    monkeypatch.setattr(measure, "time_steps", broken)
+    monkeypatch.setattr(measure, "time_runs", broken)
     assert not measure.greedy(100, 3)
     assert not measure._entries()["greedy [100] rows<=16"]["cpp"]
     assert not fresh_choices.exists()  # a later process measures again

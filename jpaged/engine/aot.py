@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 import jpaged_kernels
 from jpaged import sharding
 from jpaged.config import EngineConfig
+from jpaged.engine import roofline
 from jpaged.engine.startup import resolve_dtypes
 from jpaged.loading.model_loader import abstract_model, kv_replicated_config
 from jpaged.models import ModelConfig
@@ -33,7 +34,6 @@ from jpaged.runner.inputs import prepare_inputs
 from jpaged.runner.model_runner import jit_whole_step
 from jpaged.runner.precompile import step_plan
 from jpaged.sample.sampler import sampling_tensors
-from jpaged.utils import cdiv
 from jpaged_kernels.aot import targets as aot_targets
 from jpaged_kernels.aot.compile import captured_stderr, parse_spills
 
@@ -72,6 +72,7 @@ class EngineCompile:
     max_batch_at_max_model_len: int
     compile_seconds: float
     steps: list[StepCompile]
+    roofline: dict = dataclasses.field(default_factory=dict)  # `roofline.estimate`: an estimate, not a measurement
 
     @property
     def ok(self) -> bool:
@@ -112,6 +113,29 @@ def target_mesh(target: str, tensor_parallel_size: int, topology: str | None = N
     return sharding.make_mesh(tensor_parallel_size, topo.devices), hbm
 
 
+def is_stacked_expert(names: tuple) -> bool:
+    """Whether a parameter (its path names) is a stacked expert weight ``[E, ...]`` of an MoE layer."""
+    names = [n for n in names if isinstance(n, str)]
+    return len(names) > 1 and names[-2] == "experts" and names[-1] in sharding.EXPERT_LEAVES
+
+
+def deployment_roofline(state, mc: ModelConfig, layout: KVCacheLayout, target: str, *, per_block: int,
+                        block_size: int, tp: int, num_blocks: int, max_num_seqs: int, max_batched_tokens: int,
+                        max_model_len: int, steps: list) -> dict:
+    """`roofline.estimate` of the compiled deployment: its decode-only step shapes, and the
+    workload at as many requests as the pool and ``max_num_seqs`` hold at once."""
+    leaves = [(sharding.key_path_names(path), x.sharding.shard_shape(x.shape), x.dtype.itemsize)
+              for path, x in jax.tree_util.tree_leaves_with_path(state)]
+    cost = roofline.step_cost(leaves, config=mc, layout=layout, kv_bytes_per_block=per_block, block_size=block_size,
+                              tensor_parallel_size=tp, is_expert=is_stacked_expert)
+    prompt_tokens, output_tokens = roofline.WORKLOAD
+    per_request = layout.max_blocks_per_seq(prompt_tokens + output_tokens, block_size, max_batched_tokens)
+    rows = sorted({int(s.name.split("rows=")[1].split()[0]) for s in steps if s.name.endswith("decode-only")})
+    return roofline.estimate(cost, aot_targets.get(target), decode_rows=rows,
+                             fit_batch=min(max_num_seqs, num_blocks // per_request),
+                             max_batched_tokens=max_batched_tokens, max_model_len=max_model_len)
+
+
 def _placed(tree, sharding_of):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding_of(x)), tree)
 
@@ -139,7 +163,7 @@ def abstract_state(config: ModelConfig, mesh, *, dtype, quantization: str | None
 
 def abstract_caches(config: ModelConfig, mesh, *, num_tensors: int, num_blocks: int, block_size: int, kv_dtype):
     specs = jpaged_kernels.pool.layer_arrays(config.num_kv_heads, num_blocks, block_size, config.head_dim, kv_dtype)
-    layer = tuple(jax.ShapeDtypeStruct(shape, dt, sharding=sharding.kv_pool_sharding(mesh, len(shape)))
+    layer = tuple(jax.ShapeDtypeStruct(shape, dt, sharding=sharding.kv_pool_format(mesh, len(shape)))
                   for shape, dt in specs)
     return [layer] * num_tensors
 
@@ -178,7 +202,7 @@ def compile_step(fn, state, caches, args, device, name: str) -> StepCompile:
 def compile_transfers(mesh, caches, num_blocks: int, device) -> list[StepCompile]:
     """The prefix-cache tiers' block moves (`kv_pool.KVPool.compile_transfers`): the gather and the
     scatter of every padded block count."""
-    gather, scatter = kv_pool.jit_transfers(mesh)
+    gather, scatter = kv_pool.jit_transfers(mesh, [tuple(x.format for x in layer) for layer in caches])
     results = []
     for n in kv_pool.transfer_buckets(num_blocks):
         ids = jax.ShapeDtypeStruct((n,), np.int32, sharding=sharding.replicated(mesh))
@@ -271,7 +295,7 @@ def compile_engine(model_config: ModelConfig, config: EngineConfig, target: str,
         def compile_all(num_blocks, steps, progress=None):
             caches = abstract_caches(mc, mesh, num_tensors=layout.num_tensors, num_blocks=num_blocks,
                                      block_size=cc.block_size, kv_dtype=kv_dtype)
-            fn = jit_whole_step(graphdef, mesh, [tuple(x.sharding for x in layer) for layer in caches])
+            fn = jit_whole_step(graphdef, mesh, [tuple(x.format for x in layer) for layer in caches])
             processed = config.logprobs_mode == "processed_logprobs"
             results = []
             for step in steps:
@@ -303,5 +327,9 @@ def compile_engine(model_config: ModelConfig, config: EngineConfig, target: str,
         max_temp_bytes=max((s.memory.get("temp_size_in_bytes", 0) for s in done), default=0),
         generated_code_bytes=max((s.memory.get("generated_code_size_in_bytes", 0) for s in done), default=0),
         max_batch_at_max_model_len=num_blocks // per_seq,
-        compile_seconds=time.perf_counter() - start, steps=steps)
+        compile_seconds=time.perf_counter() - start, steps=steps,
+        roofline=deployment_roofline(state, mc, layout, target, per_block=per_block, block_size=cc.block_size, tp=tp,
+                                     num_blocks=num_blocks, max_num_seqs=sc.max_num_seqs,
+                                     max_batched_tokens=sc.max_num_batched_tokens, max_model_len=max_model_len,
+                                     steps=steps))
 

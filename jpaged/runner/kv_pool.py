@@ -39,10 +39,11 @@ def _chunks(items: list) -> list[list]:
     return [items[i:i + MAX_TRANSFER_BLOCKS] for i in range(0, len(items), MAX_TRANSFER_BLOCKS)]
 
 
-def jit_transfers(mesh):
-    """The jitted whole-block gather (to a replicated array) and scatter (the pool donated)."""
+def jit_transfers(mesh, pool_shardings=None):
+    """The jitted whole-block gather (to a replicated array) and scatter (the pool donated; its
+    result placed and laid out as ``pool_shardings``, the pool's own, when given)."""
     return (jax.jit(_gather_blocks, out_shardings=sharding.replicated(mesh)),
-            jax.jit(_scatter_blocks, donate_argnums=(0,)))
+            jax.jit(_scatter_blocks, donate_argnums=(0,), out_shardings=pool_shardings))
 
 
 def _gather_blocks(kv_caches, blocks):
@@ -87,20 +88,21 @@ class KVPool:
         self.counter = counter or CompileCounter()
         self.caches = self.new_caches()
         self.host: tuple[np.ndarray, ...] | None = None  # made at the first swap-out
-        self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
-        self._gather, self._scatter = jit_transfers(mesh)
+        self._copy = jax.jit(_copy_blocks, donate_argnums=(0,), out_shardings=self.shardings())
+        self._gather, self._scatter = jit_transfers(mesh, self.shardings())
 
     def array_specs(self) -> list[tuple[tuple, object]]:
         """(shape, dtype) of each array of one layer's cache."""
         return jpaged_kernels.pool.layer_arrays(*self.shape, self.dtype)
 
     def shardings(self):
-        """The sharding of each array of every layer (the structure of `caches`)."""
-        return [tuple(sharding.kv_pool_sharding(self.mesh, len(s)) for s, _ in self.array_specs())
+        """The sharding and row-major layout (`sharding.kv_pool_format`) of each array of every layer
+        (the structure of `caches`): every jitted function that returns the pool keeps it so."""
+        return [tuple(sharding.kv_pool_format(self.mesh, len(s)) for s, _ in self.array_specs())
                 for _ in range(self.num_layers)]
 
     def new_caches(self):
-        return [tuple(sharding.zeros_sharded(s, dt, sharding.kv_pool_sharding(self.mesh, len(s)))
+        return [tuple(sharding.zeros_sharded(s, dt, sharding.kv_pool_format(self.mesh, len(s)))
                       for s, dt in self.array_specs()) for _ in range(self.num_layers)]
 
     def lost(self) -> bool:

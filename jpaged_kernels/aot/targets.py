@@ -24,12 +24,19 @@ class Target:
       platform: ``"tpu"`` or ``"cuda"``.
       topology: the libtpu topology a TPU chip is taken from; None for a GPU.
       fp8: whether the chip computes with float8_e4m3fn (8-bit KV pages of that dtype).
+      hbm_bytes_per_s: the memory bandwidth per chip, bytes/s, from the vendor's specification.
+      peak_flops: the dense bfloat16 matrix peak per chip, FLOP/s, from the same (NVIDIA's
+        sheets list twice this "with sparsity").
+      spec_url: where those two figures are published.
     """
 
     name: str
     platform: str
     topology: str | None = None
     fp8: bool = False
+    hbm_bytes_per_s: float = 0.0
+    peak_flops: float = 0.0
+    spec_url: str = ""
 
     @property
     def kv_dtypes(self) -> tuple:
@@ -38,14 +45,22 @@ class Target:
         return base + ((jnp.float8_e4m3fn,) if self.fp8 else ())
 
 
+GB, TFLOP = 1e9, 1e12
 TARGETS = {t.name: t for t in (
-    Target("v4", "tpu", "v4:2x2x1"),
-    Target("v5e", "tpu", "v5e:2x2"),
-    Target("v5p", "tpu", "v5p:2x2x1"),
-    Target("v6e", "tpu", "v6e:2x2"),
-    Target("a100", "cuda"),
-    Target("h100", "cuda", fp8=True),
-    Target("h200", "cuda", fp8=True),
+    Target("v4", "tpu", "v4:2x2x1", hbm_bytes_per_s=1200 * GB, peak_flops=275 * TFLOP,
+           spec_url="https://cloud.google.com/tpu/docs/v4"),
+    Target("v5e", "tpu", "v5e:2x2", hbm_bytes_per_s=819 * GB, peak_flops=197 * TFLOP,
+           spec_url="https://cloud.google.com/tpu/docs/v5e"),
+    Target("v5p", "tpu", "v5p:2x2x1", hbm_bytes_per_s=2765 * GB, peak_flops=459 * TFLOP,
+           spec_url="https://cloud.google.com/tpu/docs/v5p"),
+    Target("v6e", "tpu", "v6e:2x2", hbm_bytes_per_s=1638 * GB, peak_flops=918 * TFLOP,
+           spec_url="https://cloud.google.com/tpu/docs/v6e"),
+    Target("a100", "cuda", hbm_bytes_per_s=2039 * GB, peak_flops=312 * TFLOP,
+           spec_url="https://www.nvidia.com/en-us/data-center/a100/"),  # A100 80GB SXM
+    Target("h100", "cuda", fp8=True, hbm_bytes_per_s=3350 * GB, peak_flops=989 * TFLOP,
+           spec_url="https://www.nvidia.com/en-us/data-center/h100/"),  # H100 SXM
+    Target("h200", "cuda", fp8=True, hbm_bytes_per_s=4800 * GB, peak_flops=989 * TFLOP,
+           spec_url="https://www.nvidia.com/en-us/data-center/h200/"),  # H200 SXM
 )}
 
 

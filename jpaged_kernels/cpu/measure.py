@@ -15,10 +15,19 @@ kernel only where it takes at most `MARGIN` of XLA's time. Shape classes:
 - paged attention: the heads, head size and block size, on one step of decode rows and a prompt
   (compiling XLA's path for it takes seconds: the price of a first use).
 
+A measurement can be disturbed by other work on the machine. One taken while the machine was busy
+(`busy`: the load average above the usable cores) or whose repeats disagree (`noise`: a path's
+slowest run more than `SPREAD` above its fastest) without a clear margin (every run of one path
+beating every run of the other by `MARGIN`) is **provisional**: it serves this process, and the
+next process to need it measures again. A quiet measurement replaces a provisional one; a
+disturbed one is merged with it (each path's least time: other work only adds time), and after
+`MAX_MEASUREMENTS` disturbed ones the merged times decide for good.
+
 The choices are kept in a JSON file beside the library (`library.choices_path`: keyed as the
 library is, by sources, flags, jaxlib and CPU; inside it by the usable cores and ``XLA_FLAGS``),
-so each is measured once per machine, and logged (one line per measurement, or per cached group
-first used in a process). ``JPAGED_CPU_KERNELS`` (`library.forced`) overrides them.
+so each is measured once per machine (a provisional one until it is decided), and logged (one line
+per measurement, or per cached group first used in a process). ``JPAGED_CPU_KERNELS``
+(`library.forced`) overrides them.
 """
 import json
 import logging
@@ -36,20 +45,41 @@ from jpaged_kernels.cpu import library, ops
 MATMUL_ROWS = (1, 8, 32, 64)  # matmul row classes: rows up to each bound
 GREEDY_ROWS = (16, 256)  # greedy row classes (more rows: the last)
 MARGIN = 0.95  # the C++ kernel serves where it takes at most this fraction of XLA's time
-TIMED_RUNS = 3  # runs of a measurement program after its warm-up (fewer past BUDGET_SECONDS)
+TIMED_RUNS = 3  # runs of a measurement program after its warm-up (fewer past BUDGET_SECONDS, never under 2)
 BUDGET_SECONDS = 0.25
+SPREAD = 0.15  # repeats disagree where a path's slowest run takes more than 1 + SPREAD of its fastest
+BUSY_LOAD = 1.0  # the machine is busy where the 1-minute load average exceeds this many per usable core
+MAX_MEASUREMENTS = 3  # disturbed measurements merged before their times decide for good
 
 logger = logging.getLogger("jpaged")
 _lock = threading.RLock()
 _choices: dict = {}  # this context's entries: key -> {"cpp": bool, "cpp_ms": float, "xla_ms": float}
 _loaded: list = []  # the file's path, once read
 _logged: set = set()
+_measured: set = set()  # the keys this process measured (a provisional one is measured again by the next)
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def context() -> str:
     """What else the choices depend on: the cores this process may use and ``XLA_FLAGS``."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"cores={cores} XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}"
+    return f"cores={usable_cores()} XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}"
+
+
+def load_average() -> float:
+    """The machine's 1-minute load average (0 where the system does not say)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
+
+
+def busy() -> str:
+    """Why the machine is too busy for a measurement to be final ("" when it is not)."""
+    load, cores = load_average(), usable_cores()
+    return f"load {load:.1f} on {cores} cores" if load > BUSY_LOAD * cores else ""
 
 
 def _read(path: str) -> dict:
@@ -89,23 +119,62 @@ def row_class(rows: int, bounds: tuple) -> int:
 
 def _decide(group: str, batch: list, key: str, measure) -> bool:
     """The choice for ``key``, one of the keys ``batch`` of ``group`` that ``measure()`` times
-    together, measuring them where ``key`` is new."""
+    together (it returns ``{key: (C++ run times, XLA run times)}``, seconds), measuring them where
+    ``key`` is new, or provisional and not yet measured by this process."""
     with _lock:
         entries = _entries()
-        if key not in entries:
-            start = time.perf_counter()
+        if key not in entries or (entries[key].get("provisional") and key not in _measured):
+            start, busy_before = time.perf_counter(), busy()
             try:
                 new = measure()
             except Exception as error:  # noqa: BLE001 - a failed measurement keeps XLA's path (this process)
                 logger.warning("measuring the C++ CPU kernel for %s failed (%s): XLA's path serves", group, error)
                 entries.update({k: {"cpp": False, "cpp_ms": None, "xla_ms": None} for k in batch})
                 return False
-            entries.update(new)
-            _save(new)
+            why_busy = busy_before or busy()
+            kept = {k: merged(entries.get(k), runs, why_busy) for k, runs in new.items()}
+            entries.update(kept)
+            _measured.update(kept)
+            _save(kept)
             _log(group, batch, f"measured in {time.perf_counter() - start:.2f} s, kept in")
         elif (group, key) not in _logged:
             _log(group, [k for k in entries if k == group or k.startswith(group + " ")], "cached in")
         return entries[key]["cpp"]
+
+
+def _entry(cpp_s: float, xla_s: float) -> dict:
+    return {"cpp": cpp_s <= MARGIN * xla_s, "cpp_ms": cpp_s * 1e3, "xla_ms": xla_s * 1e3}
+
+
+def disturbed(cpp_runs: list, xla_runs: list, why_busy: str = "") -> str:
+    """Why one measurement (each path's run times) cannot decide for good ("" when it can): taken
+    on a busy machine, or repeats that disagree where the margin is not clear either way."""
+    if why_busy:
+        return why_busy
+    spread = max(max(runs) / min(runs) - 1 for runs in (cpp_runs, xla_runs))
+    clear = max(cpp_runs) <= MARGIN * min(xla_runs) or min(cpp_runs) > MARGIN * max(xla_runs)
+    return f"repeats {spread:.0%} apart" if spread > SPREAD and not clear else ""
+
+
+def merged(old: dict | None, runs: tuple, why_busy: str = "") -> dict:
+    """The entry kept after a measurement (``runs``: the C++ kernel's and XLA's run times, seconds)
+    of a class whose entry was ``old`` (None: new). A final entry stays unless the new one is final
+    too; a provisional one is replaced by a final one, or merged with another disturbed one (the
+    least time of each path), which decides for good at the `MAX_MEASUREMENTS`-th."""
+    cpp_runs, xla_runs = runs
+    why = disturbed(cpp_runs, xla_runs, why_busy)
+    new = _entry(min(cpp_runs), min(xla_runs))
+    if not why:
+        return new
+    if old is not None and old.get("cpp_ms") is not None and not old.get("provisional"):
+        return old
+    count = 1
+    if old is not None and old.get("provisional"):
+        count = old.get("measurements", 1) + 1
+        new = _entry(min(old["cpp_ms"], new["cpp_ms"]) / 1e3, min(old["xla_ms"], new["xla_ms"]) / 1e3)
+    if count >= MAX_MEASUREMENTS:
+        return new | {"measurements": count}
+    return new | {"provisional": True, "measurements": count, "why": why}
 
 
 def _log(group: str, keys: list, source: str) -> None:
@@ -114,6 +183,10 @@ def _log(group: str, keys: list, source: str) -> None:
         _logged.add((group, k))
         e = _choices[k]
         times = "" if e["cpp_ms"] is None else f" ({e['cpp_ms']:.3f} vs {e['xla_ms']:.3f} ms)"
+        if e.get("provisional"):
+            times += f" provisional ({e['why']}; measured again at the next start)"
+        elif e.get("measurements"):
+            times += f" decided after {e['measurements']} disturbed measurements"
         parts.append(f"{k[len(group):].strip() or 'all'}: {'C++' if e['cpp'] else 'XLA'}{times}")
     logger.info("kernel choice for %s: %s [C++ vs XLA time; %s %s]", group, ", ".join(parts), source,
                 _loaded[0])
@@ -126,11 +199,17 @@ def _probe(x, after, evict, slot: int):
 
 
 def time_steps(steps, args, evict=()) -> list[float]:
-    """Seconds each of ``steps`` takes, the least over runs: ``(fn, i)`` calls ``fn(*args)`` with
+    """Seconds each of ``steps`` takes, the least of `time_runs`."""
+    return [min(runs) for runs in time_runs(steps, args, evict)]
+
+
+def time_runs(steps, args, evict=()) -> list[list[float]]:
+    """Seconds each of ``steps`` takes in each timed run: ``(fn, i)`` calls ``fn(*args)`` with
     ``args[i]`` taken from the probe before it (so it waits for the step before), the buffers
     ``args[j]`` for ``j`` in ``evict`` evicted from the caches first. One XLA program for all, which
     runs the first step once more before them (the first operation of a run waits for the thread
-    pool to wake)."""
+    pool to wake); it runs once to warm up, then `TIMED_RUNS` times (at least 2: the repeats that
+    tell a disturbed measurement, past `BUDGET_SECONDS`)."""
     smallest = min(range(len(args)), key=lambda i: args[i].size)
 
     def program(*args):
@@ -144,19 +223,16 @@ def time_steps(steps, args, evict=()) -> list[float]:
     with jax.ensure_compile_time_eval():
         args = [jax.device_put(a) for a in args]
         compiled = jax.jit(program).lower(*args).compile()
-        best = [float("inf")] * len(steps)
+        runs = [[] for _ in steps]
         start = time.perf_counter()
         for run in range(TIMED_RUNS + 1):
             jax.block_until_ready(compiled(*args))
             if run:  # the first run warms up (first-touch pages, thread pools)
-                best = [min(b, library.probe_seconds(s + 1)) for s, b in enumerate(best)]
-                if time.perf_counter() - start > BUDGET_SECONDS:
+                for s, times in enumerate(runs):
+                    times.append(library.probe_seconds(s + 1))
+                if run >= 2 and time.perf_counter() - start > BUDGET_SECONDS:
                     break
-    return best
-
-
-def _entry(cpp_s: float, xla_s: float) -> dict:
-    return {"cpp": cpp_s <= MARGIN * xla_s, "cpp_ms": cpp_s * 1e3, "xla_ms": xla_s * 1e3}
+    return runs
 
 
 def filled(shape, scale=0.01):
@@ -195,8 +271,8 @@ def _measure_matmul(k, widths, bounds, keys, transposed=False):
         else:
             steps.append((lambda *a, x=x: ops.matmuls(a[x], [a[j] for j in weights]), x))
             steps.append((lambda *a, x=x: [a[x] @ a[j] for j in weights], x))
-    seconds = time_steps(steps, args, evict=weights)
-    return {key: _entry(seconds[2 * i], seconds[2 * i + 1]) for i, key in enumerate(keys)}
+    runs = time_runs(steps, args, evict=weights)
+    return {key: (runs[2 * i], runs[2 * i + 1]) for i, key in enumerate(keys)}
 
 
 def _argmax(x):
@@ -216,8 +292,7 @@ def greedy(vocab: int, rows: int) -> bool:
 
 def _measure_greedy(vocab, rows, key):
     steps = [(lambda x: ops.greedy(x), 0), (lambda x: (_argmax(x), jax.nn.logsumexp(x, axis=-1)), 0)]
-    cpp, xla = time_steps(steps, [filled((rows, vocab), 1.0)])
-    return {key: _entry(cpp, xla)}
+    return {key: tuple(time_runs(steps, [filled((rows, vocab), 1.0)]))}
 
 
 # A step of the attention measurement: (query tokens, context) per sequence, a prompt among decode rows.
@@ -248,5 +323,4 @@ def _measure_attention(hq, hkv, d, bs, key):
     scale = d ** -0.5
     steps = [(lambda *a: ops.paged_attention(*a, scale=scale), 0),
              (lambda *a: ragged_paged_attention_reference(*a, scale=scale), 0)]
-    cpp, xla = time_steps(steps, args, evict=(1, 2))
-    return {key: _entry(cpp, xla)}
+    return {key: tuple(time_runs(steps, args, evict=(1, 2)))}
