@@ -1,6 +1,7 @@
 """Model registry: Hugging Face architecture name -> jpaged NNX model class."""
 from jpaged.models.gemma import GemmaForCausalLM
 from jpaged.models.gpt2 import GPT2LMHeadModel
+from jpaged.models.gpt_oss import GptOssForCausalLM
 from jpaged.models.llama import LlamaForCausalLM
 from jpaged.models.mixtral import MixtralForCausalLM
 from jpaged.models.model_config import ModelConfig
@@ -18,6 +19,7 @@ MODEL_REGISTRY = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 

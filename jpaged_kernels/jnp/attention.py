@@ -40,7 +40,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from jpaged_kernels import quant
-from jpaged_kernels.shapes import DEFAULT_MASK_VALUE, cdiv, check_knobs
+from jpaged_kernels.shapes import DEFAULT_MASK_VALUE, cdiv, check_knobs, check_sinks
 
 # CPU defaults, measured with scripts/benchmark_kernels.py (README "Kernels").
 PAGES_PER_STEP = 4       # blocks per online-softmax step
@@ -51,7 +51,7 @@ DECODE_ROWS = 8          # decode rows per batch
 
 def _attend_chunks(out, q, k_pages, v_pages, tables, first_token, first_pos,
                    length, num_chunks, *, width, rows, pages, scale,
-                   kv_scales=None, sliding_window=None, logits_soft_cap=None):
+                   kv_scales=None, sliding_window=None, logits_soft_cap=None, sinks=None):
     """Writes the attention of ``num_chunks`` query chunks into ``out``.
 
     Args:
@@ -68,7 +68,7 @@ def _attend_chunks(out, q, k_pages, v_pages, tables, first_token, first_pos,
       width: static chunk width (>= every length).
       rows: most chunks per batch; pages: blocks per online-softmax step.
       kv_scales: None, or the scale words of 8-bit pages (``quant.py``).
-      sliding_window, logits_soft_cap: as in `ragged_paged_attention_reference`.
+      sliding_window, logits_soft_cap, sinks: as in `ragged_paged_attention_reference`.
 
     Returns:
       ``out`` with the chunks' rows set (float32).
@@ -138,6 +138,9 @@ def _attend_chunks(out, q, k_pages, v_pages, tables, first_token, first_pos,
         init = (jnp.full(shape + (1,), -jnp.inf, jnp.float32),
                 jnp.zeros(shape + (1,), jnp.float32),
                 jnp.zeros(shape + (d,), jnp.float32))
+        if sinks is not None:  # the sink: one more logit per head, whose value is zero
+            rows = jnp.repeat(sinks.astype(jnp.float32).reshape(hkv, 1, group, 1), width, axis=2)
+            init = (jnp.broadcast_to(rows, shape + (1,)), jnp.ones(shape + (1,), jnp.float32), init[2])
         num_steps = cdiv(jnp.max(kv_len - kv_start), bk)
         _, l, acc = lax.fori_loop(0, num_steps, step, init)
         o = jnp.where(l > 0, acc / jnp.where(l > 0, l, 1.0), 0.0)
@@ -158,7 +161,7 @@ def ragged_attention(q, k_pages, v_pages, block_tables, seq_lens,
                      query_start_loc, num_seqs, *, scale,
                      prefill_chunk=PREFILL_CHUNK, pages=PAGES_PER_STEP,
                      prefill_batch=PREFILL_BATCH, kv_scales=None,
-                     sliding_window=None, logits_soft_cap=None, decode_attention=None):
+                     sliding_window=None, logits_soft_cap=None, decode_attention=None, sinks=None):
     """The work split of the module docstring; arguments as in
     `ragged_paged_attention_reference`."""
     num_tokens = q.shape[0]
@@ -169,8 +172,10 @@ def ragged_attention(q, k_pages, v_pages, block_tables, seq_lens,
     seq_lens = seq_lens.astype(jnp.int32)
     tables = block_tables.astype(jnp.int32)
     q_len = jnp.where(real, qsl[1:] - qsl[:-1], 0)
-    knobs = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    knobs = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
     if decode_attention is not None:  # e.g. cpu_kernels.paged_decode
+        if sinks is not None:
+            raise ValueError("sinks: not taken by decode_attention (the C++ kernel has none)")
         set_knobs = {k: v for k, v in knobs.items() if v is not None}
         out = decode_attention(q, k_pages, v_pages, tables, seq_lens, qsl, num_seqs,
                                scale=scale, **set_knobs).astype(jnp.float32)
@@ -214,6 +219,7 @@ def paged_attention_reference(
     kv_scales: jax.Array | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     backend: str | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -231,6 +237,8 @@ def paged_attention_reference(
       kv_scales: the scale words of 8-bit pages (``quant.py``), else None.
       sliding_window: None, or a query at position ``p`` sees only keys ``j > p - sliding_window``.
       logits_soft_cap: None, or the scaled logits ``s`` become ``cap * tanh(s / cap)``.
+      sinks: None, or float ``[num_q_heads]``: attention sinks (gpt-oss), one more logit per head
+        in the softmax's denominator that takes no value.
       backend, interpret: ignored (kernel knobs).
 
     Returns:
@@ -242,7 +250,7 @@ def paged_attention_reference(
     return ragged_paged_attention_reference(
         q, k_pages, v_pages, block_tables, seq_lens, qsl, num_seqs, scale=scale,
         pages_per_compute_block=pages_per_compute_block, kv_scales=kv_scales,
-        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
 
 
 def ragged_paged_attention_reference(
@@ -261,6 +269,7 @@ def ragged_paged_attention_reference(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     decode_attention=None,
+    sinks: jax.Array | None = None,
     backend: str | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -290,6 +299,9 @@ def ragged_paged_attention_reference(
         function's leading arguments and ``scale=`` (and the two knobs above when they are set)
         that returns every decode row's attention and zeros elsewhere
         (``cpu_kernels.paged_decode``).
+      sinks: None, or float ``[num_q_heads]``: each head's attention sink (gpt-oss), a logit
+        ``sinks[h]`` added to the softmax's denominator (``exp(sinks[h])`` beside the keys'
+        ``exp(s_j)``) with no value: rows may attend "nowhere". In the scaled logits' units.
       backend, interpret: ignored (kernel knobs).
 
     Returns:
@@ -300,10 +312,11 @@ def ragged_paged_attention_reference(
     del backend, interpret
     quant.pools_of(k_pages, v_pages, kv_scales)
     check_knobs(sliding_window, logits_soft_cap)
+    check_sinks(sinks, q.shape[1])
     out = ragged_attention(
         q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, num_seqs,
         scale=scale, prefill_chunk=num_queries_per_block or PREFILL_CHUNK,
         pages=pages_per_compute_block or PAGES_PER_STEP, kv_scales=kv_scales,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-        decode_attention=decode_attention)
+        decode_attention=decode_attention, sinks=sinks)
     return out.astype(q.dtype)
