@@ -3,6 +3,7 @@ from jpaged.models.gemma import GemmaForCausalLM
 from jpaged.models.gpt2 import GPT2LMHeadModel
 from jpaged.models.gpt_oss import GptOssForCausalLM
 from jpaged.models.llama import LlamaForCausalLM
+from jpaged.models.llama4 import Llama4ForCausalLM
 from jpaged.models.mixtral import MixtralForCausalLM
 from jpaged.models.model_config import ModelConfig
 from jpaged.models.opt import OPTForCausalLM
@@ -20,6 +21,7 @@ MODEL_REGISTRY = {
     "OPTForCausalLM": OPTForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "Llama4ForCausalLM": Llama4ForCausalLM,
 }
 
 

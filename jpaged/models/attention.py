@@ -19,7 +19,8 @@ passed to whichever attention function serves it; only the keys in a window are 
 and the blocks it needs follow the window, not the context. ``sinks`` (gpt-oss: a learned logit per
 query head in the softmax's denominator, with no value) is an array the layer's caller passes at
 call time (a parameter of the model); the xla backend then runs the jnp loops (the C++ kernel has
-no sinks).
+no sinks). ``attention_chunk`` (Llama 4's chunked local attention: a query at position p sees the
+keys of its chunk, ``p // chunk * chunk <= j <= p``) runs on the xla backend's jnp loops.
 
 Models with several KV-cache groups (layers of different windows: `jpaged.core.kv_cache_layout`)
 give each group its own block table and slot mapping: ``group_block_tables`` and
@@ -138,13 +139,13 @@ def _set(**knobs) -> dict:
 
 
 def xla_paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale, sliding_window=None,
-                        logits_soft_cap=None, sinks=None, **scales):
-    """The C++ CPU kernel where it runs (float32 pages, no sinks), else the jnp loops."""
+                        logits_soft_cap=None, sinks=None, attention_chunk=None, **scales):
+    """The C++ CPU kernel where it runs (float32 pages, no sinks or chunks), else the jnp loops."""
     knobs = _set(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
-    if sinks is not None:
+    if sinks is not None or attention_chunk is not None:
         return jpaged_kernels.ragged_paged_attention_reference(
             q, k_pages, v_pages, md.block_tables, md.seq_lens, md.query_start_loc, md.num_seqs, scale=scale,
-            sinks=sinks, **knobs, **scales)
+            **_set(sinks=sinks, attention_chunk=attention_chunk), **knobs, **scales)
     if cpu.runs("paged_attention", q, k_pages, kv_scales=scales.get("kv_scales")):
         return cpu.paged_attention(q, k_pages, v_pages, md.block_tables, md.seq_lens, md.query_start_loc,
                                    md.num_seqs, scale=scale, **knobs).astype(q.dtype)
@@ -193,25 +194,34 @@ class PagedAttention(nnx.Module):
 
     ``sliding_window``: a query at position p attends the keys ``p - sliding_window < j <= p`` only;
     ``logits_soft_cap``: each scaled score s becomes ``cap * tanh(s / cap)``.
+    ``attention_chunk``: a query at position p attends the keys ``p // chunk * chunk <= j <= p``.
     ``sinks`` (a call argument, float ``[Hq]``): each head's attention sink, a logit in the
     softmax's denominator with no value (gpt-oss).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *, scale: float | None = None,
-                 backend: str = "xla", sliding_window: int | None = None, logits_soft_cap: float | None = None):
+                 backend: str = "xla", sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                 attention_chunk: int | None = None):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         if backend not in BACKENDS:
             raise ValueError(f"attention backend {backend!r}: expected one of {sorted(BACKENDS)}")
         jpaged_kernels.shapes.check_knobs(sliding_window, logits_soft_cap)
+        jpaged_kernels.shapes.check_attention_chunk(attention_chunk)
+        if attention_chunk is not None and backend != "xla":
+            raise ValueError(f"attention_chunk_size={attention_chunk}: chunked attention runs on the xla attention "
+                             f"backend only (attention_backend={backend!r})")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.backend = backend
         self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
+        self.attention_chunk = attention_chunk
 
     def __call__(self, q, k, v, kv_cache, md: AttentionMetadata, sinks=None):
         write, attend = BACKENDS[self.backend]
         knobs = dict(sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
+        if self.attention_chunk is not None:
+            knobs["attention_chunk"] = self.attention_chunk
 
         def write_and_attend(q, k, v, kv_cache, md, *sink):
             scales_of = jpaged_kernels.quant.scales_of

@@ -129,7 +129,11 @@ class SparseMoE(nnx.Module):
         return expert_ids, weights
 
     def __call__(self, x):
-        expert_ids, weights = self.route(x)
+        return self.run_experts(x, *self.route(x))
+
+    def run_experts(self, x, expert_ids, weights):
+        """``sum_j weights[t, j] * expert_{expert_ids[t, j]}(x[t])`` (x [T, H]; ids, weights [T, k]),
+        split over the mesh's ``model`` axis as the module docstring says."""
         e = self.experts
         args = (x, expert_ids, weights, e.gate_proj[...], e.up_proj[...], e.down_proj[...])
         n = sharding.model_axis_size()
