@@ -74,8 +74,8 @@ def test_chunked_layers_on_the_pallas_backend_are_refused_by_name(tmp_path):
         load_model(str(tmp_path), dtype=np.float32, attention_backend="pallas")
 
 
-def _tokens(llm, prompts, n, **kw):
-    params = SamplingParams(temperature=0, max_tokens=n, min_tokens=n, **kw)
+def _tokens(llm, prompts, max_tokens, **kw):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, min_tokens=max_tokens, **kw)
     return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
