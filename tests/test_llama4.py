@@ -94,3 +94,18 @@ def test_tensor_parallel_2_equals_transformers(tmp_path_factory):
     prompts = random_prompts(np.random.default_rng(5), [30, 9])
     llm = engine(tmp_path_factory, "llama4", tensor_parallel_size=2)
     assert _tokens(llm, prompts, 8) == [[hf_greedy(hf_model, p, 8)[0]] for p in prompts]
+
+
+def test_dense_forward_equals_transformers_logits(tmp_path_factory):
+    """The no-cache dense view (training, the oracle) honours this family's attention too."""
+    import torch
+
+    from jpaged.loading import load_model
+    from jpaged.models.training import dense_logits
+
+    path, hf_model = family(tmp_path_factory, "llama4")
+    model, _, _ = load_model(path, dtype=np.float32, attention_backend="xla")
+    tokens = np.asarray(random_prompts(np.random.default_rng(9), [30, 30]))
+    with torch.no_grad():
+        want = hf_model(torch.tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(dense_logits(model, tokens)), want, atol=1e-4, rtol=1e-4)
