@@ -49,3 +49,15 @@ def check_knobs(sliding_window, logits_soft_cap):
         raise ValueError(f"sliding_window must be None or an int >= 1; got {sliding_window!r}")
     if logits_soft_cap is not None and not logits_soft_cap > 0:
         raise ValueError(f"logits_soft_cap must be None or > 0; got {logits_soft_cap!r}")
+
+
+def check_sinks(sinks, num_q_heads: int):
+    """Raises unless ``sinks`` is None or one value per query head ``[num_q_heads]``."""
+    if sinks is not None and tuple(sinks.shape) != (num_q_heads,):
+        raise ValueError(f"sinks must be None or [num_q_heads={num_q_heads}]; got shape {tuple(sinks.shape)}")
+
+
+def check_attention_chunk(attention_chunk):
+    """Raises unless ``attention_chunk`` (chunked local attention) is None or an int >= 1."""
+    if attention_chunk is not None and (int(attention_chunk) != attention_chunk or attention_chunk < 1):
+        raise ValueError(f"attention_chunk must be None or an int >= 1; got {attention_chunk!r}")

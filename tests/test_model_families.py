@@ -30,12 +30,22 @@ FAMILIES = {
     "mixtral": ("MixtralConfig", dict(TINY, num_local_experts=4, num_experts_per_tok=2)),
     "qwen3_moe": ("Qwen3MoeConfig", dict(TINY, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                           moe_intermediate_size=32, norm_topk_prob=True)),
+    # top-4 of 8 experts, a clamp that bites, a window shorter than the prompts, YaRN (its default rope)
+    "gpt_oss": ("GptOssConfig", dict(TINY, head_dim=16, intermediate_size=32, num_local_experts=8,
+                                     num_experts_per_tok=4, sliding_window=12, swiglu_limit=0.5)),
+    # 3 chunked rope layers and a NoPE one, chunks shorter than the prompts, a temperature that bites
+    # early, MoE (top-1 of 4, a shared expert) on every other layer
+    "llama4": ("Llama4TextConfig", dict(TINY, num_hidden_layers=4, head_dim=16, intermediate_size=32,
+                                        intermediate_size_mlp=128, num_local_experts=4, num_experts_per_tok=1,
+                                        interleave_moe_layer_step=2, attention_chunk_size=8, floor_scale=4,
+                                        attn_scale=0.5)),
 }
 PROMPT_LENS = [1, 7, 30, 20]
 # One engine shape per family, small enough to preempt (a windowed model needs fewer blocks:
 # Mistral's 9 hold what takes 12 without its window): tests that share it share compilations.
 ENGINE = dict(block_size=8, max_model_len=256, max_num_batched_tokens=16)
-BLOCKS = {"qwen3": 12, "mistral": 9, "gemma2": 22, "gemma3": 22, "mixtral": 12, "qwen3_moe": 12}
+BLOCKS = {"qwen3": 12, "mistral": 9, "gemma2": 22, "gemma3": 22, "mixtral": 12, "qwen3_moe": 12, "gpt_oss": 22,
+          "llama4": 12}
 _dirs = {}
 
 
@@ -75,7 +85,8 @@ def test_greedy_parity_with_preemption_and_prefix_hits(tmp_path_factory, name):
     assert metrics["num_preemptions"] > 0, "the pool was meant to be small enough to preempt"
     assert metrics["prefix_cache_hits"] > 0
     windows = llm.llm_engine.runner.kv_layout.group_windows
-    assert windows == {"mistral": (12,), "gemma2": (None, 12), "gemma3": (None, 12)}.get(name, (None,))
+    assert windows == {"mistral": (12,), "gemma2": (None, 12), "gemma3": (None, 12),
+                       "gpt_oss": (None, 12)}.get(name, (None,))
 
 
 def test_parallel_samples_beams_and_swaps_share_blocks_in_every_group(tmp_path_factory):

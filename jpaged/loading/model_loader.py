@@ -137,6 +137,7 @@ def build_model(config: ModelConfig, weights, *, dtype, attention_backend: str, 
     wanted = {name: (path, transpose) for path, name, transpose in model.hf_weight_map()}
     seen = set()
     canonical = getattr(model, "canonical_hf_name", lambda n: n)  # hub names -> save_pretrained names
+    weights = getattr(model, "convert_hf_weights", lambda w: w)(weights)  # fused / packed tensors, split
 
     def place(path, array):
         return jnp.asarray(array) if shard_fn is None else shard_fn(path, array)

@@ -1,7 +1,9 @@
 """Model registry: Hugging Face architecture name -> jpaged NNX model class."""
 from jpaged.models.gemma import GemmaForCausalLM
 from jpaged.models.gpt2 import GPT2LMHeadModel
+from jpaged.models.gpt_oss import GptOssForCausalLM
 from jpaged.models.llama import LlamaForCausalLM
+from jpaged.models.llama4 import Llama4ForCausalLM
 from jpaged.models.mixtral import MixtralForCausalLM
 from jpaged.models.model_config import ModelConfig
 from jpaged.models.opt import OPTForCausalLM
@@ -18,6 +20,8 @@ MODEL_REGISTRY = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
+    "GptOssForCausalLM": GptOssForCausalLM,
+    "Llama4ForCausalLM": Llama4ForCausalLM,
 }
 
 

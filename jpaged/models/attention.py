@@ -16,7 +16,11 @@ cache tuple alone says which: a layer needs no setting of its own.
 A layer may have a ``sliding_window`` (a query at position p sees keys ``p - sliding_window < j
 <= p``) and a ``logits_soft_cap`` (each scaled score s becomes ``cap * tanh(s / cap)``, Gemma 2),
 passed to whichever attention function serves it; only the keys in a window are read, so its work
-and the blocks it needs follow the window, not the context.
+and the blocks it needs follow the window, not the context. ``sinks`` (gpt-oss: a learned logit per
+query head in the softmax's denominator, with no value) is an array the layer's caller passes at
+call time (a parameter of the model); the xla backend then runs the jnp loops (the C++ kernel has
+no sinks). ``attention_chunk`` (Llama 4's chunked local attention: a query at position p sees the
+keys of its chunk, ``p // chunk * chunk <= j <= p``) runs on the xla backend's jnp loops.
 
 Models with several KV-cache groups (layers of different windows: `jpaged.core.kv_cache_layout`)
 give each group its own block table and slot mapping: ``group_block_tables`` and
@@ -135,9 +139,13 @@ def _set(**knobs) -> dict:
 
 
 def xla_paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale, sliding_window=None,
-                        logits_soft_cap=None, **scales):
-    """The C++ CPU kernel where it runs (float32 pages), else the jnp loops."""
+                        logits_soft_cap=None, sinks=None, attention_chunk=None, **scales):
+    """The C++ CPU kernel where it runs (float32 pages, no sinks or chunks), else the jnp loops."""
     knobs = _set(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    if sinks is not None or attention_chunk is not None:
+        return jpaged_kernels.ragged_paged_attention_reference(
+            q, k_pages, v_pages, md.block_tables, md.seq_lens, md.query_start_loc, md.num_seqs, scale=scale,
+            **_set(sinks=sinks, attention_chunk=attention_chunk), **knobs, **scales)
     if cpu.runs("paged_attention", q, k_pages, kv_scales=scales.get("kv_scales")):
         return cpu.paged_attention(q, k_pages, v_pages, md.block_tables, md.seq_lens, md.query_start_loc,
                                    md.num_seqs, scale=scale, **knobs).astype(q.dtype)
@@ -151,9 +159,9 @@ def _interpret() -> bool:
 
 
 def pallas_paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale, sliding_window=None,
-                           logits_soft_cap=None, **scales):
+                           logits_soft_cap=None, sinks=None, **scales):
     """The decode kernel for a decode-only step, else the ragged kernel (interpret mode off TPU/GPU)."""
-    scales = dict(scales, **_set(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap))
+    scales = dict(scales, **_set(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks))
     if md.decode_only:  # token s is sequence s's one query; rows past num_seqs are padding
         t, s = q.shape[0], md.seq_lens.shape[0]
         q_rows = q[:s] if t >= s else jnp.pad(q, ((0, s - t), (0, 0), (0, 0)))
@@ -171,7 +179,7 @@ def pallas_write_kv(k_pages, v_pages, k_new, v_new, slot_mapping, **scales):
 
 
 # name -> (write(k_pages, v_pages, k, v, slot_mapping, **scales), attend(q, k_pages, v_pages, md, *,
-# scale, sliding_window=None, logits_soft_cap=None, **scales)); ``scales`` is ``kv_scales=`` with
+# scale, sliding_window=None, logits_soft_cap=None, sinks=None, **scales)); ``scales`` is ``kv_scales=`` with
 # 8-bit pages, else empty.
 BACKENDS = {"xla": (jpaged_kernels.write_kv_reference, xla_paged_attention),
             "pallas": (pallas_write_kv, pallas_paged_attention)}
@@ -186,31 +194,45 @@ class PagedAttention(nnx.Module):
 
     ``sliding_window``: a query at position p attends the keys ``p - sliding_window < j <= p`` only;
     ``logits_soft_cap``: each scaled score s becomes ``cap * tanh(s / cap)``.
+    ``attention_chunk``: a query at position p attends the keys ``p // chunk * chunk <= j <= p``.
+    ``sinks`` (a call argument, float ``[Hq]``): each head's attention sink, a logit in the
+    softmax's denominator with no value (gpt-oss).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *, scale: float | None = None,
-                 backend: str = "xla", sliding_window: int | None = None, logits_soft_cap: float | None = None):
+                 backend: str = "xla", sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                 attention_chunk: int | None = None):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         if backend not in BACKENDS:
             raise ValueError(f"attention backend {backend!r}: expected one of {sorted(BACKENDS)}")
         jpaged_kernels.shapes.check_knobs(sliding_window, logits_soft_cap)
+        jpaged_kernels.shapes.check_attention_chunk(attention_chunk)
+        if attention_chunk is not None and backend != "xla":
+            raise ValueError(f"attention_chunk_size={attention_chunk}: chunked attention runs on the xla attention "
+                             f"backend only (attention_backend={backend!r})")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.backend = backend
         self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
+        self.attention_chunk = attention_chunk
 
-    def __call__(self, q, k, v, kv_cache, md: AttentionMetadata):
+    def __call__(self, q, k, v, kv_cache, md: AttentionMetadata, sinks=None):
         write, attend = BACKENDS[self.backend]
         knobs = dict(sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
+        if self.attention_chunk is not None:
+            knobs["attention_chunk"] = self.attention_chunk
 
-        def write_and_attend(q, k, v, kv_cache, md):
+        def write_and_attend(q, k, v, kv_cache, md, *sink):
             scales_of = jpaged_kernels.quant.scales_of
             kv_cache = tuple(write(*kv_cache[:2], k, v, md.slot_mapping, **scales_of(kv_cache)))
-            return attend(q, *kv_cache[:2], md, scale=self.scale, **knobs, **scales_of(kv_cache)), kv_cache
+            extra = {"sinks": sink[0]} if sink else {}
+            return attend(q, *kv_cache[:2], md, scale=self.scale, **knobs, **extra, **scales_of(kv_cache)), kv_cache
 
+        sink = () if sinks is None else (sinks,)
         if sharding.model_axis_size() > 1:  # each device attends with its own heads and pool slice
             heads, pool, replicated = sharding.HEADS, sharding.POOL, sharding.REPLICATED
-            write_and_attend = sharding.shard_heads(write_and_attend, (heads, heads, heads, pool, replicated),
+            write_and_attend = sharding.shard_heads(write_and_attend,
+                                                    (heads, heads, heads, pool, replicated) + (pool,) * len(sink),
                                                     (heads, pool))
-        return write_and_attend(q, k, v, tuple(kv_cache), md)
+        return write_and_attend(q, k, v, tuple(kv_cache), md, *sink)

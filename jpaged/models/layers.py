@@ -149,6 +149,42 @@ def rope_inv_freq(config: ModelConfig, local: bool = False) -> np.ndarray:
     raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3 are)")
 
 
+def yarn_rope(config: ModelConfig) -> tuple[np.ndarray, float]:
+    """(inverse frequencies, attention factor) of YaRN rope scaling as transformers computes them
+    (``rope_scaling`` / ``rope_parameters`` with ``rope_type: yarn``): frequencies interpolated by
+    ``factor`` below the ``beta_slow .. beta_fast`` rotation band and kept above it, and cos/sin
+    scaled by the attention factor (``0.1 * ln(factor) + 1`` unless the config gives one)."""
+    scaling = config.rope_scaling or {}
+    dim, base = config.head_dim, config.rope_theta
+    factor = scaling.get("factor")
+    original = scaling.get("original_max_position_embeddings")
+    if original is None:
+        raise ValueError("rope_scaling.original_max_position_embeddings: YaRN needs it")
+    factor = factor or config.max_position_embeddings / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        def mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq.astype(np.float32), float(attention_factor)
+
+
 def rope_cos_sin(inv_freq, positions):
     """cos and sin ``[T, head_dim]`` of each position (rotate-half layout, as `apply_rope` takes)."""
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]

@@ -14,6 +14,7 @@ from jpaged.models.layers import (RMSNorm, activation, apply_rope, linear, proje
 from jpaged.models.model_config import ModelConfig, require_unset
 
 QK_NORM_MODELS = ("qwen3", "qwen3_moe")  # model types with a per-head RMS norm of q and k
+SINK_MODELS = ("gpt_oss",)  # model types with an attention sink per query head
 
 
 class LlamaAttention(nnx.Module):
@@ -21,7 +22,8 @@ class LlamaAttention(nnx.Module):
 
     ``qk_norm``: an RMS norm over each head's q and k before rope (Qwen3, Gemma 3), with
     ``unit_offset`` weights for Gemma. Layer ``layer``'s sliding window, the attention soft cap and
-    ``query_pre_attn_scalar`` (the scale) come from the config."""
+    ``query_pre_attn_scalar`` (the scale) come from the config; ``sinks`` ``[num_heads]``, the
+    attention sinks of `SINK_MODELS`, are a parameter."""
 
     def __init__(self, c: ModelConfig, layer: int, dtype, backend: str, rngs: nnx.Rngs, *, qk_norm: bool = False,
                  unit_offset: bool = False):
@@ -35,6 +37,7 @@ class LlamaAttention(nnx.Module):
         scale = None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar ** -0.5
         self.attn = PagedAttention(c.num_heads, c.num_kv_heads, c.head_dim, scale=scale, backend=backend,
                                    sliding_window=c.window_of(layer), logits_soft_cap=c.attn_logit_softcap)
+        self.sinks = nnx.Param(jnp.zeros((c.num_heads,), dtype)) if c.model_type in SINK_MODELS else None
         self.lora = None  # a `jpaged.models.lora.LoRAStack` when served with enable_lora
 
     @staticmethod
@@ -53,7 +56,10 @@ class LlamaAttention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        out, kv_cache = self.attn(q, k, v, kv_cache, md)
+        if self.sinks is None:
+            out, kv_cache = self.attn(q, k, v, kv_cache, md)
+        else:
+            out, kv_cache = self.attn(q, k, v, kv_cache, md, sinks=self.sinks[...])
         out = out.reshape(t, -1)
         if self.lora is None:
             return self.o_proj(out), kv_cache
@@ -68,6 +74,8 @@ class LlamaAttention(nnx.Module):
                 out.append((path + (proj, "bias"), f"{prefix}{proj}.bias", False))
         if qk_norm:
             out += [(path + (norm, "weight"), f"{prefix}{norm}.weight", False) for norm in ("q_norm", "k_norm")]
+        if c.model_type in SINK_MODELS:
+            out.append((path + ("sinks",), f"{prefix}sinks", False))
         return out
 
 
@@ -129,11 +137,15 @@ class LlamaForCausalLM(nnx.Module):
                                                   self.make_mlp(c, i, dtype, rngs)) for i in range(c.num_layers)])
         self.norm = RMSNorm(c.hidden_size, c.norm_eps, dtype)
         self.lm_head = None if c.tie_word_embeddings else linear(c.hidden_size, c.vocab_size, False, dtype, rngs)
-        self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(c)))
+        self.inv_freq = nnx.Variable(jnp.asarray(self.rope_inv_freq()))
 
     @classmethod
     def check_config(cls, config: ModelConfig) -> None:
         require_unset(config, cls.__name__, *cls.UNSUPPORTED)
+
+    def rope_inv_freq(self):
+        """The rotary inverse frequencies (a family with another rope scaling gives its own)."""
+        return rope_inv_freq(self.config)
 
     def make_mlp(self, c: ModelConfig, layer: int, dtype, rngs: nnx.Rngs) -> nnx.Module:
         """Layer ``layer``'s MLP (the mixture-of-experts models give theirs)."""
@@ -145,7 +157,7 @@ class LlamaForCausalLM(nnx.Module):
 
     def init_buffers(self):
         """Recomputes non-parameter state (after creation under `nnx.eval_shape`)."""
-        self.inv_freq.set_value(jnp.asarray(rope_inv_freq(self.config)))
+        self.inv_freq.set_value(jnp.asarray(self.rope_inv_freq()))
 
     DECODER_LAYERS = "layers"
 

@@ -106,6 +106,8 @@ def _layer_windows(text: dict, model_type: str, num_layers: int) -> tuple[int | 
     window = text.get("sliding_window")
     types = text.get("layer_types")
     if types is not None:
+        if model_type == "llama4_text":  # its chunked layers keep all their blocks (jpaged.models.llama4)
+            types = ["full_attention" if t == "chunked_attention" else t for t in types]
         bad = sorted(set(types) - set(LAYER_TYPES))
         if bad:
             raise ValueError(f"layer_types: {bad} not supported (jpaged runs {list(LAYER_TYPES)})")

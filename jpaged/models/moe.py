@@ -68,11 +68,14 @@ def expert_swiglu(x, gate_proj, up_proj, down_proj, group_sizes, act):
     return grouped_matmul(h, down_proj, group_sizes)
 
 
-def routed_experts(x, expert_ids, weights, gate_proj, up_proj, down_proj, *, act, first_expert=0):
+def routed_experts(x, expert_ids, weights, gate_proj, up_proj, down_proj, *, act, first_expert=0, expert_mlp=None):
     """``sum_j weights[t, j] * expert_{expert_ids[t, j]}(x[t])`` over the experts held here
     (``first_expert ..`` + as many as ``gate_proj`` has; the others' assignments contribute 0).
 
-    x [T, H]; expert_ids, weights [T, k]; gate_proj, up_proj [E, H, I]; down_proj [E, I, H]."""
+    x [T, H]; expert_ids, weights [T, k]; gate_proj, up_proj [E, H, I]; down_proj [E, I, H].
+    ``expert_mlp``: None (each expert's SwiGLU with ``act``), or ``f(rows [M, H], row_experts [M],
+    group_sizes [E]) -> [M, H]``, the experts over the rows sorted by expert (``row_experts``: each
+    row's local expert, ``E`` for rows of other devices' experts), e.g. with biases."""
     t, k = expert_ids.shape
     num_local = gate_proj.shape[0]
     local = expert_ids.reshape(-1) - first_expert
@@ -80,7 +83,10 @@ def routed_experts(x, expert_ids, weights, gate_proj, up_proj, down_proj, *, act
     key = jnp.where(held, local, num_local)  # assignments to other devices' experts sort last
     order = jnp.argsort(key, stable=True)
     group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
-    y = expert_swiglu(x[order // k], gate_proj, up_proj, down_proj, group_sizes, act)
+    if expert_mlp is None:
+        y = expert_swiglu(x[order // k], gate_proj, up_proj, down_proj, group_sizes, act)
+    else:
+        y = expert_mlp(x[order // k], key[order], group_sizes)
     y = jnp.zeros_like(y).at[order].set(y).reshape(t, k, -1)
     y = jnp.where(held.reshape(t, k, 1), y * weights[..., None].astype(y.dtype), 0)
     by_expert = jnp.argsort(expert_ids, axis=-1)  # transformers adds the experts' outputs in id order
@@ -125,7 +131,11 @@ class SparseMoE(nnx.Module):
         return expert_ids, weights
 
     def __call__(self, x):
-        expert_ids, weights = self.route(x)
+        return self.run_experts(x, *self.route(x))
+
+    def run_experts(self, x, expert_ids, weights):
+        """``sum_j weights[t, j] * expert_{expert_ids[t, j]}(x[t])`` (x [T, H]; ids, weights [T, k]),
+        split over the mesh's ``model`` axis as the module docstring says."""
         e = self.experts
         args = (x, expert_ids, weights, e.gate_proj[...], e.up_proj[...], e.down_proj[...])
         n = sharding.model_axis_size()

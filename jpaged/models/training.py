@@ -45,21 +45,25 @@ class DenseCausalAttention(nnx.Module):
 
     Same call as `PagedAttention`: ``(q [T, Hq, D], k, v [T, Hkv, D], kv_cache, md) -> (out, kv_cache)``
     with ``T = B * L`` and ``md`` a `DenseMetadata`; ``kv_cache`` is passed through untouched.
-    ``sliding_window`` and ``logits_soft_cap`` as in `PagedAttention`.
+    ``sliding_window``, ``logits_soft_cap``, ``attention_chunk`` and the ``sinks`` call argument as in
+    `PagedAttention`.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *, scale: float | None = None,
-                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                 attention_chunk: int | None = None):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
+        self.attention_chunk = attention_chunk
 
     @classmethod
     def like(cls, layer: PagedAttention) -> "DenseCausalAttention":
         return cls(layer.num_heads, layer.num_kv_heads, layer.head_dim, scale=layer.scale,
-                   sliding_window=layer.sliding_window, logits_soft_cap=layer.logits_soft_cap)
+                   sliding_window=layer.sliding_window, logits_soft_cap=layer.logits_soft_cap,
+                   attention_chunk=getattr(layer, "attention_chunk", None))
 
-    def __call__(self, q, k, v, kv_cache, md: DenseMetadata):
+    def __call__(self, q, k, v, kv_cache, md: DenseMetadata, sinks=None):
         b, l = md.batch_size, md.seq_len
         hkv, d = self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv
@@ -71,7 +75,15 @@ class DenseCausalAttention(nnx.Module):
         causal = jnp.tril(jnp.ones((l, l), bool))
         if self.sliding_window is not None:
             causal &= ~jnp.tril(jnp.ones((l, l), bool), -self.sliding_window)
-        p = jax.nn.softmax(jnp.where(causal, s, -1e30), axis=-1)
+        if self.attention_chunk is not None:
+            pos = jnp.arange(l)
+            causal &= (pos[None, :] // self.attention_chunk) == (pos[:, None] // self.attention_chunk)
+        s = jnp.where(causal, s, -1e30)
+        if sinks is None:
+            p = jax.nn.softmax(s, axis=-1)
+        else:  # one more logit per head in the denominator, whose weight is dropped
+            sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, hkv, group, 1, 1), s.shape[:-1] + (1,))
+            p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
         out = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return out.reshape(b * l, self.num_heads, d).astype(q.dtype), kv_cache
 

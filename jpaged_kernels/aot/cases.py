@@ -24,6 +24,8 @@ BLOCK_SIZES = (16, 32, 64, 128)
 GROUPS = (1, 2, 4, 8)
 # (sliding_window, logits_soft_cap) sets compiled beside the plain kernels: Mistral, Gemma 2.
 KNOBS = ((None, None), (4096, None), (4096, 50.0))
+# gpt-oss's attention (64 query heads over 8 KV heads of 64, 128-token windows or none) with its sinks
+SINK_SHAPES = ((64, 16, 8, 128), (64, 32, 8, None))  # (head_dim, block_size, group, sliding_window)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +38,7 @@ class KernelCase:
       head_dim, block_size: page shape.
       group: query heads per KV head (attention only).
       sliding_window, logits_soft_cap: attention knobs.
+      sinks: attention with a sink per query head (gpt-oss), an operand.
       num_kv_heads, num_seqs, max_len, num_tokens: problem size.
     """
 
@@ -46,6 +49,7 @@ class KernelCase:
     group: int = 4
     sliding_window: int | None = None
     logits_soft_cap: float | None = None
+    sinks: bool = False
     num_kv_heads: int = 8
     num_seqs: int = 32
     max_len: int = 4096
@@ -60,6 +64,8 @@ class KernelCase:
             parts.append(f"w{self.sliding_window}")
         if self.logits_soft_cap is not None:
             parts.append(f"cap{self.logits_soft_cap:g}")
+        if self.sinks:
+            parts.append("sinks")
         return "-".join(parts)
 
     def build(self, backend: str):
@@ -77,14 +83,15 @@ class KernelCase:
         knobs = dict(backend=backend)
         attn = dict(knobs, scale=self.head_dim ** -0.5, sliding_window=self.sliding_window,
                     logits_soft_cap=self.logits_soft_cap)
+        sink = [s((hq,), jnp.float32)] if self.sinks else []
         if self.kernel == "paged_attention":
-            fn = _with_scales(functools.partial(paged_attention, **attn), quantized)
-            args = [s((self.num_seqs, hq, self.head_dim), q_dtype), *layer, tables, lens]
+            fn = _with_scales(_with_sinks(functools.partial(paged_attention, **attn), self.sinks), quantized)
+            args = [s((self.num_seqs, hq, self.head_dim), q_dtype), *layer, tables, lens, *sink]
             return fn, args, ()
         if self.kernel == "ragged_paged_attention":
-            fn = _with_scales(functools.partial(ragged_paged_attention, **attn), quantized)
+            fn = _with_scales(_with_sinks(functools.partial(ragged_paged_attention, **attn), self.sinks), quantized)
             args = [s((self.num_tokens, hq, self.head_dim), q_dtype), *layer, tables, lens,
-                    s((self.num_seqs + 1,), i32), s((1,), i32)]
+                    s((self.num_seqs + 1,), i32), s((1,), i32), *sink]
             return fn, args, ()
         pools = tuple(range(len(layer)))
         if self.kernel == "write_kv":
@@ -95,6 +102,18 @@ class KernelCase:
             fn = _cache_op(functools.partial(copy_blocks, **knobs), quantized)
             return fn, [*layer, s((16,), i32), s((16,), i32)], pools
         raise ValueError(f"unknown kernel {self.kernel!r}")
+
+
+def _with_sinks(fn, sinks: bool):
+    """``fn(..., sinks_array)`` with the last argument as ``sinks=``."""
+    if not sinks:
+        return fn
+
+    def call(*args, **kwargs):
+        *rest, sinks_array = args
+        return fn(*rest, sinks=sinks_array, **kwargs)
+
+    return call
 
 
 def _with_scales(fn, quantized):
@@ -128,7 +147,12 @@ def full(dtypes) -> list[KernelCase]:
         cases += [KernelCase(kernel, dtype, d, bs, g) for g in groups]
     for kernel, dtype, bs, (w, cap) in itertools.product(ATTENTION, dtypes, BLOCK_SIZES, KNOBS[1:]):
         cases.append(KernelCase(kernel, dtype, 128, bs, 4, w, cap))
-    return cases
+    return cases + _sink_cases(dtypes)
+
+
+def _sink_cases(dtypes) -> list[KernelCase]:
+    return [KernelCase(kernel, dtype, d, bs, g, w, sinks=True)
+            for kernel, dtype, (d, bs, g, w) in itertools.product(ATTENTION, dtypes, SINK_SHAPES)]
 
 
 def cross_section(dtypes) -> list[KernelCase]:
@@ -140,7 +164,7 @@ def cross_section(dtypes) -> list[KernelCase]:
         for i, (d, bs, g) in enumerate(shapes):
             w, cap = KNOBS[i % len(KNOBS)] if kernel in ATTENTION else (None, None)
             cases.append(KernelCase(kernel, dtype, d, bs, g if kernel in ATTENTION else 1, w, cap))
-    return cases
+    return cases + _sink_cases(dtypes)
 
 
 PRESETS = {"cross_section": cross_section, "full": full}

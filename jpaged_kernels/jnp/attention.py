@@ -40,7 +40,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from jpaged_kernels import quant
-from jpaged_kernels.shapes import DEFAULT_MASK_VALUE, cdiv, check_knobs
+from jpaged_kernels.shapes import DEFAULT_MASK_VALUE, cdiv, check_attention_chunk, check_knobs, check_sinks
 
 # CPU defaults, measured with scripts/benchmark_kernels.py (README "Kernels").
 PAGES_PER_STEP = 4       # blocks per online-softmax step
@@ -51,7 +51,8 @@ DECODE_ROWS = 8          # decode rows per batch
 
 def _attend_chunks(out, q, k_pages, v_pages, tables, first_token, first_pos,
                    length, num_chunks, *, width, rows, pages, scale,
-                   kv_scales=None, sliding_window=None, logits_soft_cap=None):
+                   kv_scales=None, sliding_window=None, logits_soft_cap=None, sinks=None,
+                   attention_chunk=None):
     """Writes the attention of ``num_chunks`` query chunks into ``out``.
 
     Args:
@@ -68,7 +69,8 @@ def _attend_chunks(out, q, k_pages, v_pages, tables, first_token, first_pos,
       width: static chunk width (>= every length).
       rows: most chunks per batch; pages: blocks per online-softmax step.
       kv_scales: None, or the scale words of 8-bit pages (``quant.py``).
-      sliding_window, logits_soft_cap: as in `ragged_paged_attention_reference`.
+      sliding_window, logits_soft_cap, sinks, attention_chunk: as in
+        `ragged_paged_attention_reference`.
 
     Returns:
       ``out`` with the chunks' rows set (float32).
@@ -99,6 +101,8 @@ def _attend_chunks(out, q, k_pages, v_pages, tables, first_token, first_pos,
         first_page = jnp.zeros_like(kv_len)
         if sliding_window is not None:
             first_page = jnp.where(n > 0, jnp.maximum(pos0 - sliding_window + 1, 0) // bs, 0)
+        if attention_chunk is not None:  # the chunk of the first query starts at or after it
+            first_page = jnp.maximum(first_page, jnp.where(n > 0, pos0 // attention_chunk * attention_chunk // bs, 0))
         kv_start = first_page * bs                                     # [R]
         qb = q[tokens].reshape(size, width, hkv, group, d)
         qb = qb.transpose(2, 0, 3, 1, 4).reshape(hkv, size, group * width, d)
@@ -118,6 +122,8 @@ def _attend_chunks(out, q, k_pages, v_pages, tables, first_token, first_pos,
             seen = k_pos < kv_len[:, None]
             if sliding_window is not None:  # keys before the chunk's first query's window
                 seen &= k_pos > pos0[:, None] - sliding_window
+            if attention_chunk is not None:  # keys before the first query's attention chunk
+                seen &= k_pos >= (pos0 // attention_chunk * attention_chunk)[:, None]
             v = jnp.where(seen[None, :, :, None], v, 0.0)
             s = jnp.einsum("hrqd,hrkd->hrqk", qb, k) * scale            # [H,R,G*W,K]
             if logits_soft_cap is not None:
@@ -125,6 +131,8 @@ def _attend_chunks(out, q, k_pages, v_pages, tables, first_token, first_pos,
             mask = (k_pos[:, None, :] <= q_pos[:, :, None]) & valid[:, :, None]
             if sliding_window is not None:
                 mask &= k_pos[:, None, :] > q_pos[:, :, None] - sliding_window
+            if attention_chunk is not None:
+                mask &= k_pos[:, None, :] >= (q_pos // attention_chunk * attention_chunk)[:, :, None]
             mask = mask[None]                                            # [1,R,G*W,K]
             s = jnp.where(mask, s, DEFAULT_MASK_VALUE)
             m = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))
@@ -138,6 +146,9 @@ def _attend_chunks(out, q, k_pages, v_pages, tables, first_token, first_pos,
         init = (jnp.full(shape + (1,), -jnp.inf, jnp.float32),
                 jnp.zeros(shape + (1,), jnp.float32),
                 jnp.zeros(shape + (d,), jnp.float32))
+        if sinks is not None:  # the sink: one more logit per head, whose value is zero
+            rows = jnp.repeat(sinks.astype(jnp.float32).reshape(hkv, 1, group, 1), width, axis=2)
+            init = (jnp.broadcast_to(rows, shape + (1,)), jnp.ones(shape + (1,), jnp.float32), init[2])
         num_steps = cdiv(jnp.max(kv_len - kv_start), bk)
         _, l, acc = lax.fori_loop(0, num_steps, step, init)
         o = jnp.where(l > 0, acc / jnp.where(l > 0, l, 1.0), 0.0)
@@ -158,7 +169,8 @@ def ragged_attention(q, k_pages, v_pages, block_tables, seq_lens,
                      query_start_loc, num_seqs, *, scale,
                      prefill_chunk=PREFILL_CHUNK, pages=PAGES_PER_STEP,
                      prefill_batch=PREFILL_BATCH, kv_scales=None,
-                     sliding_window=None, logits_soft_cap=None, decode_attention=None):
+                     sliding_window=None, logits_soft_cap=None, decode_attention=None, sinks=None,
+                     attention_chunk=None):
     """The work split of the module docstring; arguments as in
     `ragged_paged_attention_reference`."""
     num_tokens = q.shape[0]
@@ -169,8 +181,11 @@ def ragged_attention(q, k_pages, v_pages, block_tables, seq_lens,
     seq_lens = seq_lens.astype(jnp.int32)
     tables = block_tables.astype(jnp.int32)
     q_len = jnp.where(real, qsl[1:] - qsl[:-1], 0)
-    knobs = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    knobs = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
+                 attention_chunk=attention_chunk)
     if decode_attention is not None:  # e.g. cpu_kernels.paged_decode
+        if sinks is not None or attention_chunk is not None:
+            raise ValueError("sinks, attention_chunk: not taken by decode_attention (the C++ kernel has neither)")
         set_knobs = {k: v for k, v in knobs.items() if v is not None}
         out = decode_attention(q, k_pages, v_pages, tables, seq_lens, qsl, num_seqs,
                                scale=scale, **set_knobs).astype(jnp.float32)
@@ -214,6 +229,8 @@ def paged_attention_reference(
     kv_scales: jax.Array | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
+    attention_chunk: int | None = None,
     backend: str | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -231,6 +248,10 @@ def paged_attention_reference(
       kv_scales: the scale words of 8-bit pages (``quant.py``), else None.
       sliding_window: None, or a query at position ``p`` sees only keys ``j > p - sliding_window``.
       logits_soft_cap: None, or the scaled logits ``s`` become ``cap * tanh(s / cap)``.
+      sinks: None, or float ``[num_q_heads]``: attention sinks (gpt-oss), one more logit per head
+        in the softmax's denominator that takes no value.
+      attention_chunk: None, or a query at position ``p`` sees only the keys of its chunk, ``j >=
+        p // attention_chunk * attention_chunk`` (Llama 4's chunked local attention).
       backend, interpret: ignored (kernel knobs).
 
     Returns:
@@ -242,7 +263,8 @@ def paged_attention_reference(
     return ragged_paged_attention_reference(
         q, k_pages, v_pages, block_tables, seq_lens, qsl, num_seqs, scale=scale,
         pages_per_compute_block=pages_per_compute_block, kv_scales=kv_scales,
-        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
+        attention_chunk=attention_chunk)
 
 
 def ragged_paged_attention_reference(
@@ -261,6 +283,8 @@ def ragged_paged_attention_reference(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     decode_attention=None,
+    sinks: jax.Array | None = None,
+    attention_chunk: int | None = None,
     backend: str | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -290,6 +314,12 @@ def ragged_paged_attention_reference(
         function's leading arguments and ``scale=`` (and the two knobs above when they are set)
         that returns every decode row's attention and zeros elsewhere
         (``cpu_kernels.paged_decode``).
+      sinks: None, or float ``[num_q_heads]``: each head's attention sink (gpt-oss), a logit
+        ``sinks[h]`` added to the softmax's denominator (``exp(sinks[h])`` beside the keys'
+        ``exp(s_j)``) with no value: rows may attend "nowhere". In the scaled logits' units.
+      attention_chunk: None, or chunked local attention (Llama 4): a row at position ``p`` sees
+        only the keys ``p // attention_chunk * attention_chunk <= j <= p`` (its chunk); blocks
+        before a prefill chunk's first attention chunk are not read.
       backend, interpret: ignored (kernel knobs).
 
     Returns:
@@ -300,10 +330,12 @@ def ragged_paged_attention_reference(
     del backend, interpret
     quant.pools_of(k_pages, v_pages, kv_scales)
     check_knobs(sliding_window, logits_soft_cap)
+    check_sinks(sinks, q.shape[1])
+    check_attention_chunk(attention_chunk)
     out = ragged_attention(
         q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, num_seqs,
         scale=scale, prefill_chunk=num_queries_per_block or PREFILL_CHUNK,
         pages=pages_per_compute_block or PAGES_PER_STEP, kv_scales=kv_scales,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-        decode_attention=decode_attention)
+        decode_attention=decode_attention, sinks=sinks, attention_chunk=attention_chunk)
     return out.astype(q.dtype)

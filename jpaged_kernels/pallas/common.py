@@ -194,10 +194,27 @@ def online_softmax_step(carry, logits, v, mask, v_scale=None):
     return m_next, l_next, alpha * acc_prev + pv
 
 
-def init_softmax_carry(n: int, d: int):
+def init_softmax_carry(n: int, d: int, sinks=None):
+    """The online softmax's start ``(m, l, acc)``; ``sinks``: None, or float32 ``[n, 1]``, each
+    row's attention sink, which starts the softmax as one logit already seen with a zero value
+    (``m = sink``, ``l = 1``), so it stays in the denominator."""
+    if sinks is not None:
+        return sinks.astype(jnp.float32), jnp.ones((n, 1), jnp.float32), jnp.zeros((n, d), jnp.float32)
     return (jnp.full((n, 1), -jnp.inf, jnp.float32),
             jnp.zeros((n, 1), jnp.float32),
             jnp.zeros((n, d), jnp.float32))
+
+
+def sink_rows(sinks, num_kv_heads: int, rows: int, padded_group: int | None = None, lanes: int | None = None):
+    """The attention sinks ``[num_q_heads]`` laid out like a kernel's query tile: float32
+    ``[num_kv_heads, rows]`` (``[num_kv_heads, rows, lanes]`` with ``lanes``, each value repeated
+    along them: a Mosaic block), row ``r`` holding the sink of query head ``r % padded_group`` of
+    its kv head (heads padded past the real group get 0)."""
+    group = sinks.shape[0] // num_kv_heads
+    padded_group = padded_group or group
+    per_head = jnp.pad(sinks.astype(jnp.float32).reshape(num_kv_heads, group), ((0, 0), (0, padded_group - group)))
+    out = jnp.tile(per_head, (1, rows // padded_group))
+    return out if lanes is None else jnp.broadcast_to(out[:, :, None], out.shape + (lanes,))
 
 
 def finalize_softmax(carry):

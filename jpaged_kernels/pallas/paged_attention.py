@@ -24,6 +24,10 @@ Knobs: ``sliding_window`` (a query at position ``p`` sees keys ``j`` with
 ``p - sliding_window < j <= p``) and ``logits_soft_cap`` (``cap * tanh(s /
 cap)`` on the scaled logits, Gemma 2). With a window the kernels start at the
 page holding the first visible key: work follows the window, not the context.
+``sinks`` (gpt-oss), float ``[num_q_heads]``: a logit per head in the softmax's
+denominator with no value; the kernels start each row's online softmax from it
+(``m = sink``, ``l = 1``), an extra ``[group, 128]`` (TPU) / ``[group]`` (GPU)
+input block per kv head.
 
 Backends (``backend=``):
   * ``"tpu"``: Mosaic TPU. Grid ``(num_seqs, num_kv_heads)``, both parallel
@@ -73,8 +77,8 @@ from jpaged_kernels.jnp import attention as jnp_attention
 from jpaged_kernels.pallas.common import (
     PageCopies, attend_block, dispatch, finalize_softmax, gpu_block, gpu_call,
     gpu_keys_per_step, gpu_pool_specs, gpu_steps, gpu_supported, gpu_table, init_softmax_carry,
-    tpu_call, tpu_scale_buffer, unpack_scale_row, window_start, with_scale_args)
-from jpaged_kernels.shapes import check_attention_shapes, check_knobs, next_power_of_2
+    sink_rows, tpu_call, tpu_scale_buffer, unpack_scale_row, window_start, with_scale_args)
+from jpaged_kernels.shapes import check_attention_shapes, check_knobs, check_sinks, next_power_of_2
 
 
 # ---------------------------------------------------------------------------
@@ -93,12 +97,17 @@ def _tpu_kernel(
     scale: float,
     sliding_window: int | None,
     logits_soft_cap: float | None,
+    has_sinks: bool = False,
 ):
-    # refs, n = 2 (K, V) or 3 (K, V, scale words) pool arrays:
+    # refs: [sinks_ref [group, 128] (VMEM) with sinks], then, n = 2 (K, V) or 3 (K, V, scale
+    # words) pool arrays:
     #   n pools in HBM;
     #   o_ref [group, head_dim];
     #   n VMEM buffers [2 (slot), pages_per_compute_block, ...];
     #   sems: DMA [n, 2 (slot)].
+    sinks = None
+    if has_sinks:
+        sinks, refs = refs[0][:, :1], refs[1:]
     n = (len(refs) - 2) // 2
     hbm, o_ref, bufs, sems = refs[:n], refs[n], refs[n + 1:2 * n + 1], refs[-1]
     s, h = pl.program_id(0), pl.program_id(1)
@@ -146,13 +155,13 @@ def _tpu_kernel(
                 words, start + lax.broadcasted_iota(jnp.int32, (1, bk), 1), seq_len)
         return attend_block(carry, q, k, v, mask, scale, scale_rows, logits_soft_cap)
 
-    carry = lax.fori_loop(0, num_steps, body, init_softmax_carry(group, head_dim))
+    carry = lax.fori_loop(0, num_steps, body, init_softmax_carry(group, head_dim, sinks))
     o_ref[...] = finalize_softmax(carry).astype(o_ref.dtype)
 
 
 def _paged_attention_tpu(q, k_pages, v_pages, block_tables, seq_lens, *scales,
                          scale, pages_per_compute_block, sliding_window, logits_soft_cap,
-                         interpret):
+                         interpret, sinks=None):
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
@@ -168,16 +177,21 @@ def _paged_attention_tpu(q, k_pages, v_pages, block_tables, seq_lens, *scales,
     if scales:
         bufs.append(tpu_scale_buffer(ppcb, block_size))
     kernel = functools.partial(_tpu_kernel, pages_per_seq=pages_per_seq, scale=scale,
-                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                               has_sinks=sinks is not None)
+    sink_inputs, sink_specs = (), []
+    if sinks is not None:
+        sink_inputs = (sink_rows(sinks, num_kv_heads, group, lanes=128),)
+        sink_specs = [pl.BlockSpec((None, group, 128), lambda s, h, *_: (h, 0, 0))]
     out = tpu_call(
         kernel, grid=(num_seqs, num_kv_heads), num_scalar_prefetch=2,
-        in_specs=[qo_spec] + [pl.BlockSpec(memory_space=pl.ANY)] * len(pools),
+        in_specs=[qo_spec] + sink_specs + [pl.BlockSpec(memory_space=pl.ANY)] * len(pools),
         out_specs=qo_spec,
         out_shape=jax.ShapeDtypeStruct(q4.shape, jnp.float32),
         scratch_shapes=bufs + [pltpu.SemaphoreType.DMA((len(pools), 2))],
         interpret=interpret, name="paged_attention_tpu",
     )(seq_lens.astype(jnp.int32), block_tables.astype(jnp.int32).reshape(-1),
-      q4, *pools)
+      q4, *sink_inputs, *pools)
     return out.reshape(q.shape).astype(q.dtype)
 
 
@@ -188,16 +202,21 @@ def _paged_attention_tpu(q, k_pages, v_pages, block_tables, seq_lens, *scales,
 
 def _gpu_kernel(
     q_ref,  # [group_padded, head_dim]
-    k_ref,  # [num_blocks, block_size, head_dim] (this kv head)
-    v_ref,  # same
-    *refs,  # [words_ref ([num_word_blocks, block_size], this kv head; 8-bit pages only)],
+    *refs,  # [sinks_ref (with sinks)], k_ref [num_blocks, block_size, head_dim] (this kv head),
+            # v_ref (same), [words_ref ([num_word_blocks, block_size], this kv head; 8-bit pages only)],
             # then: block_table_ref [pages_per_seq_padded] (this sequence),
             # seq_len_ref [] (this sequence), o_ref [group_padded, head_dim]
     keys: int,
     scale: float,
     sliding_window: int | None,
     logits_soft_cap: float | None,
+    has_sinks: bool = False,
 ):
+    # sinks_ref: [group_padded] (this kv head)
+    sinks = None
+    if has_sinks:
+        sinks, refs = refs[0][...][:, None], refs[1:]
+    k_ref, v_ref, *refs = refs
     words_ref, (block_table_ref, seq_len_ref, o_ref) = refs[:-3], refs[-3:]
     group, head_dim = q_ref.shape
     block_size = k_ref.shape[1]
@@ -222,13 +241,13 @@ def _gpu_kernel(
             scale_rows = unpack_scale_row(words[0], start + jnp.arange(keys)[None, :], seq_len)
         return attend_block(carry, q, k, v, mask, scale, scale_rows, logits_soft_cap)
 
-    carry = lax.fori_loop(0, num_steps, body, init_softmax_carry(group, head_dim))
+    carry = lax.fori_loop(0, num_steps, body, init_softmax_carry(group, head_dim, sinks))
     o_ref[...] = finalize_softmax(carry).astype(o_ref.dtype)
 
 
 def _paged_attention_gpu(q, k_pages, v_pages, block_tables, seq_lens, *scales,
                          scale, pages_per_compute_block, sliding_window, logits_soft_cap,
-                         interpret, num_warps=4, num_stages=2):
+                         interpret, sinks=None, num_warps=4, num_stages=2):
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
@@ -245,17 +264,21 @@ def _paged_attention_gpu(q, k_pages, v_pages, block_tables, seq_lens, *scales,
                            lambda s, h: (s, h, 0, 0))
     pool_specs, words = gpu_pool_specs(k_pages, scales, lambda s, h: h)
     kernel = functools.partial(_gpu_kernel, keys=keys, scale=scale, sliding_window=sliding_window,
-                               logits_soft_cap=logits_soft_cap)
+                               logits_soft_cap=logits_soft_cap, has_sinks=sinks is not None)
+    sink_inputs, sink_specs = (), []
+    if sinks is not None:
+        sink_inputs = (sink_rows(sinks, num_kv_heads, group_p, group_p),)
+        sink_specs = [pl.BlockSpec((None, group_p), lambda s, h: (h, 0))]
     out = gpu_call(
         kernel, grid=(num_seqs, num_kv_heads),
-        in_specs=[qo_spec, *pool_specs,
+        in_specs=[qo_spec, *sink_specs, *pool_specs,
                   pl.BlockSpec((None, tables.shape[1]), lambda s, h: (s, 0)),
                   pl.BlockSpec((None,), lambda s, h: (s,))],
         out_specs=qo_spec,
         out_shape=jax.ShapeDtypeStruct(q4.shape, q.dtype),
         num_warps=num_warps, num_stages=num_stages,
         interpret=interpret, name="paged_attention_gpu",
-    )(q4, k_pages, v_pages, *words, tables, seq_lens.astype(jnp.int32))
+    )(q4, *sink_inputs, k_pages, v_pages, *words, tables, seq_lens.astype(jnp.int32))
     return out[:, :, :group].reshape(q.shape)
 
 
@@ -280,6 +303,7 @@ def paged_attention(
     kv_scales: jax.Array | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     backend: str | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -300,6 +324,8 @@ def paged_attention(
       sliding_window: None, or the query sees only the last ``sliding_window``
         positions (``j > seq_len - 1 - sliding_window``).
       logits_soft_cap: None, or the scaled logits ``s`` become ``cap * tanh(s / cap)``.
+      sinks: None, or float ``[num_q_heads]``: each head's attention sink (gpt-oss), a logit in
+        the softmax's denominator that takes no value.
       backend: ``None``/``"auto"``, ``"tpu"``, ``"gpu"`` or ``"xla"``; see the
         module docstring.
       interpret: run the Pallas kernel in interpret mode (any host).
@@ -310,11 +336,14 @@ def paged_attention(
     """
     check_attention_shapes(q, k_pages, v_pages, block_tables, seq_lens)
     check_knobs(sliding_window, logits_soft_cap)
+    check_sinks(sinks, q.shape[1])
     scales = quant.pools_of(k_pages, v_pages, kv_scales)[2:]
     if pages_per_compute_block < 1:
         raise ValueError(f"{pages_per_compute_block=} must be >= 1")
     knobs = dict(scale=scale, pages_per_compute_block=pages_per_compute_block,
                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    if sinks is not None:  # only then an operand: the kernels without sinks are unchanged
+        knobs["sinks"] = sinks
     head_dim, block_size = q.shape[-1], k_pages.shape[2]
     impl = dispatch(
         backend, interpret,
@@ -322,5 +351,6 @@ def paged_attention(
         gpu=(functools.partial(_paged_attention_gpu, **knobs)
              if gpu_supported(head_dim, block_size) else None),
         xla=with_scale_args(jnp_attention.paged_attention_reference, 5, scale=scale,
-                            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap))
+                            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                            **({} if sinks is None else {"sinks": sinks})))
     return impl(q, k_pages, v_pages, block_tables, seq_lens, *scales)

@@ -6,7 +6,8 @@ of context *including* its new ones (their K/V are already in the pool). Its
 row ``i`` (of ``q_len``) sits at position ``seq_lens[s] - q_len + i`` and
 attends causally to keys ``0 .. position`` (with ``sliding_window``, to keys
 ``position - sliding_window < j <= position``; ``logits_soft_cap`` caps the
-scaled logits with ``cap * tanh(s / cap)``). Sequences at/after ``num_seqs``
+scaled logits with ``cap * tanh(s / cap)``; ``sinks``, one logit per head,
+start every row's softmax: see ``paged_attention.py``). Sequences at/after ``num_seqs``
 and rows at/after ``query_start_loc[num_seqs]`` are padding (zero output).
 One call thus covers whole prompts, prefill chunks that continue after
 cached tokens, and decode rows (``q_len == 1``).
@@ -59,8 +60,8 @@ from jpaged_kernels.jnp import attention as jnp_attention
 from jpaged_kernels.pallas.common import (
     PageCopies, attend_block, dispatch, finalize_softmax, gpu_block, gpu_call,
     gpu_keys_per_step, gpu_pool_specs, gpu_steps, gpu_supported, gpu_table, init_softmax_carry,
-    tpu_call, tpu_scale_buffer, unpack_scale_row, visible, window_start, with_scale_args)
-from jpaged_kernels.shapes import check_attention_shapes, check_knobs, next_power_of_2
+    sink_rows, tpu_call, tpu_scale_buffer, unpack_scale_row, visible, window_start, with_scale_args)
+from jpaged_kernels.shapes import check_attention_shapes, check_knobs, check_sinks, next_power_of_2
 
 # Elements of a Triton program's [rows, head_dim or keys] tiles that 4 warps keep in registers
 # without spilling (ptxas, sm_90: docs/tpu_gpu.md); up to twice as many get 8 warps.
@@ -135,12 +136,17 @@ def _tpu_kernel(
     scale: float,
     sliding_window: int | None,
     logits_soft_cap: float | None,
+    has_sinks: bool = False,
 ):
-    # refs, m = 2 (K, V) or 3 (K, V, scale words) pool arrays:
+    # refs: [sinks_ref [tile * group, 128] (VMEM) with sinks], then, m = 2 (K, V) or 3 (K, V,
+    # scale words) pool arrays:
     #   m pools in HBM;
     #   o_ref [tile * group, head_dim];
     #   m VMEM buffers [2, pages_per_compute_block, ...];
     #   sems: DMA [m, 2].
+    sinks = None
+    if has_sinks:
+        sinks, refs = refs[0][:, :1], refs[1:]
     m = (len(refs) - 2) // 2
     hbm, o_ref, bufs, sems = refs[:m], refs[m], refs[m + 1:2 * m + 1], refs[-1]
     k_buf, v_buf = bufs[:2]
@@ -197,7 +203,7 @@ def _tpu_kernel(
             return attend_block(carry, q, k, v, mask, scale, scale_rows, logits_soft_cap)
 
         carry = lax.fori_loop(0, num_steps, kv_body,
-                              init_softmax_carry(n, head_dim))
+                              init_softmax_carry(n, head_dim, sinks))
         rows = _row_mask(lo, hi, tile_start, group, n)
         return jnp.where(rows, finalize_softmax(carry), out)
 
@@ -208,7 +214,7 @@ def _tpu_kernel(
 
 def _ragged_tpu(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
                 num_seqs, *scales, scale, num_queries_per_block,
-                pages_per_compute_block, sliding_window, logits_soft_cap, interpret):
+                pages_per_compute_block, sliding_window, logits_soft_cap, interpret, sinks=None):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
@@ -226,16 +232,20 @@ def _ragged_tpu(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
         bufs.append(tpu_scale_buffer(ppcb, block_size))
     kernel = functools.partial(_tpu_kernel, group=group, pages_per_seq=pages_per_seq,
                                scale=scale, sliding_window=sliding_window,
-                               logits_soft_cap=logits_soft_cap)
+                               logits_soft_cap=logits_soft_cap, has_sinks=sinks is not None)
+    sink_inputs, sink_specs = (), []
+    if sinks is not None:
+        sink_inputs = (sink_rows(sinks, num_kv_heads, tile * group, lanes=128),)
+        sink_specs = [pl.BlockSpec((None, tile * group, 128), lambda h, t, *_: (h, 0, 0))]
     out = tpu_call(
         kernel, grid=(num_kv_heads, num_tiles), num_scalar_prefetch=5,
-        in_specs=[qo_spec] + [pl.BlockSpec(memory_space=pl.ANY)] * len(pools),
+        in_specs=[qo_spec] + sink_specs + [pl.BlockSpec(memory_space=pl.ANY)] * len(pools),
         out_specs=qo_spec,
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         scratch_shapes=bufs + [pltpu.SemaphoreType.DMA((len(pools), 2))],
         interpret=interpret, name="ragged_paged_attention_tpu",
     )(seq_lens.astype(jnp.int32), qsl, first, end,
-      block_tables.astype(jnp.int32).reshape(-1), qg, *pools)
+      block_tables.astype(jnp.int32).reshape(-1), qg, *sink_inputs, *pools)
     return unpack(out)
 
 
@@ -264,9 +274,8 @@ def _group_queries(q, num_kv_heads, padded_tokens, padded_group=None):
 
 def _gpu_kernel(
     q_ref,  # [tile * group, head_dim], this kv head
-    k_ref,  # [num_blocks, block_size, head_dim], this kv head
-    v_ref,
-    *refs,  # [words_ref ([num_word_blocks, block_size], this kv head; 8-bit pages only)],
+    *refs,  # [sinks_ref (with sinks)], k_ref [num_blocks, block_size, head_dim] (this kv head),
+            # v_ref (same), [words_ref ([num_word_blocks, block_size], this kv head; 8-bit pages only)],
             # then: block_tables_ref [max_seqs, pages_per_seq_padded],
             # seq_lens_ref [max_seqs], qsl_ref [max_seqs + 1] (sanitized),
             # first_seq_ref [num_tiles], end_seq_ref [num_tiles],
@@ -276,7 +285,13 @@ def _gpu_kernel(
     scale: float,
     sliding_window: int | None,
     logits_soft_cap: float | None,
+    has_sinks: bool = False,
 ):
+    # sinks_ref: [tile * group] (this kv head)
+    sinks = None
+    if has_sinks:
+        sinks, refs = refs[0][...][:, None], refs[1:]
+    k_ref, v_ref, *refs = refs
     words_ref = refs[:-6]
     (block_tables_ref, seq_lens_ref, qsl_ref, first_seq_ref, end_seq_ref,
      o_ref) = refs[-6:]
@@ -310,7 +325,7 @@ def _gpu_kernel(
                 scale_rows = unpack_scale_row(words[0], start + jnp.arange(keys)[None, :], kv_end)
             return attend_block(carry, q, k, v, mask, scale, scale_rows, logits_soft_cap)
 
-        carry = lax.fori_loop(0, num_steps, kv_body, init_softmax_carry(n, head_dim))
+        carry = lax.fori_loop(0, num_steps, kv_body, init_softmax_carry(n, head_dim, sinks))
         rows = _row_mask(lo, hi, tile_start, group, n)
         return jnp.where(rows, finalize_softmax(carry), out)
 
@@ -338,7 +353,7 @@ def _gpu_tiling(num_queries_per_block, group, head_dim, keys, eight_bit, windowe
 
 def _ragged_gpu(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
                 num_seqs, *scales, scale, num_queries_per_block,
-                pages_per_compute_block, sliding_window, logits_soft_cap, interpret,
+                pages_per_compute_block, sliding_window, logits_soft_cap, interpret, sinks=None,
                 num_stages=2):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
@@ -362,15 +377,20 @@ def _ragged_gpu(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
 
     metadata = (tables, seq_lens.astype(jnp.int32), qsl, first, end)
     kernel = functools.partial(_gpu_kernel, group=group, keys=keys, scale=scale,
-                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                               has_sinks=sinks is not None)
+    sink_inputs, sink_specs = (), []
+    if sinks is not None:
+        sink_inputs = (sink_rows(sinks, num_kv_heads, tile * group, group),)
+        sink_specs = [pl.BlockSpec((None, tile * group), lambda h, t: (h, 0))]
     out = gpu_call(
         kernel, grid=(num_kv_heads, num_tiles),
-        in_specs=[qo_spec, *pool_specs, *map(whole, metadata)],
+        in_specs=[qo_spec, *sink_specs, *pool_specs, *map(whole, metadata)],
         out_specs=qo_spec,
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         num_warps=num_warps, num_stages=num_stages,
         interpret=interpret, name="ragged_paged_attention_gpu",
-    )(qg, k_pages, v_pages, *words, *metadata)
+    )(qg, *sink_inputs, k_pages, v_pages, *words, *metadata)
     return unpack(out)
 
 
@@ -398,6 +418,7 @@ def ragged_paged_attention(
     kv_scales: jax.Array | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     backend: str | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -421,6 +442,7 @@ def ragged_paged_attention(
       sliding_window: None, or a row at position ``p`` sees only keys ``j > p -
         sliding_window``.
       logits_soft_cap: None, or the scaled logits ``s`` become ``cap * tanh(s / cap)``.
+      sinks: None, or float ``[num_q_heads]``: each head's attention sink (gpt-oss).
       backend: ``None``/``"auto"``, ``"tpu"``, ``"gpu"`` or ``"xla"``; see
         ``paged_attention.py``.
       interpret: run the Pallas kernel in interpret mode (any host).
@@ -431,6 +453,7 @@ def ragged_paged_attention(
     """
     check_attention_shapes(q, k_pages, v_pages, block_tables, seq_lens)
     check_knobs(sliding_window, logits_soft_cap)
+    check_sinks(sinks, q.shape[1])
     scales = quant.pools_of(k_pages, v_pages, kv_scales)[2:]
     if query_start_loc.shape != (block_tables.shape[0] + 1,):
         raise ValueError(f"query_start_loc must be [max_seqs + 1] = "
@@ -445,6 +468,8 @@ def ragged_paged_attention(
     knobs = dict(scale=scale, num_queries_per_block=num_queries_per_block,
                  pages_per_compute_block=pages_per_compute_block,
                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    sink_knob = {} if sinks is None else {"sinks": sinks}  # the kernels without sinks are unchanged
+    knobs.update(sink_knob)
     tpu_ok = num_queries_per_block % 16 == 0
     gpu_ok = gpu_supported(head_dim, block_size)
     impl = dispatch(
@@ -452,6 +477,7 @@ def ragged_paged_attention(
         tpu=functools.partial(_ragged_tpu, **knobs) if tpu_ok else None,
         gpu=functools.partial(_ragged_gpu, **knobs) if gpu_ok else None,
         xla=with_scale_args(jnp_attention.ragged_paged_attention_reference, 7, scale=scale,
-                            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap))
+                            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                            **sink_knob))
     return impl(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
                 num_seqs, *scales)
