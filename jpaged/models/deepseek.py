@@ -38,6 +38,7 @@ from jpaged.models.layers import RMSNorm, apply_rope, linear, project, rope_cos_
 from jpaged.models.llama import LlamaForCausalLM, LlamaMLP
 from jpaged.models.model_config import ModelConfig, latent_row_width
 from jpaged.models.moe import SparseMoE
+from jpaged.models.quantized import QuantizedLinear
 from jpaged_kernels import paged_mla
 
 LATENT_NORM_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm use their default eps
@@ -179,12 +180,23 @@ class MLAAttention(nnx.Module):
         if self.interleaved:
             q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
         q_pe, k_pe = apply_rope(q_pe, cos, sin), apply_rope(k_pe, cos, sin)
-        w = self.kv_b_proj.kernel[...].reshape(r, h, self.nope + self.v_dim)  # [R, H, nope + v]
+        w = self.up_projection().reshape(r, h, self.nope + self.v_dim)  # [R, H, nope + v]
         q_latent = jnp.einsum("thn,rhn->thr", q_nope, w[..., :self.nope])
         latent = jnp.concatenate([c_kv, k_pe[:, 0]], axis=-1)                 # [T, R + rope]
         out, kv_cache = self.attn(jnp.concatenate([q_latent, q_pe], axis=-1), latent, kv_cache, md)
         out = jnp.einsum("thr,rhv->thv", out, w[..., self.nope:]).reshape(t, h * self.v_dim)
         return self.o_proj(out), kv_cache
+
+    def up_projection(self):
+        """``kv_b_proj``'s kernel ``[kv_lora_rank, heads * (nope + v)]`` in float (int8 weights
+        dequantized: the absorption multiplies it into queries and outputs)."""
+        layer = self.kv_b_proj
+        if type(layer) is nnx.Linear:
+            return layer.kernel[...]
+        if isinstance(layer, QuantizedLinear):
+            return layer.kernel[...].astype(jnp.float32) * layer.scale[...]
+        raise ValueError(f"quantization: kv_b_proj as {type(layer).__name__} is not supported by multi-head "
+                         "latent attention (int8 or none)")
 
     def hf_weight_map(self, path: tuple, prefix: str, bias: bool):
         projs = ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]

@@ -12,9 +12,11 @@ Backends (``backend=``, as `jpaged_kernels.paged_attention`):
     pool by block id (Pallas pipelines the next page's copy behind the current one). Blocks past a
     sequence's end repeat its last block id (no new copy) and skip their compute. Page tiles are
     ``[block_size, W/2]``, the array's full last dim.
-  * ``"gpu"``: Triton. Grid ``(num_seqs,)``; a program loops over its pages, loading each by block
-    id. Triton needs power-of-two tiles: ``W/2`` and ``block_size`` powers of two, the heads padded
-    to at least 16 rows. Other shapes (DeepSeek-V3's ``W/2 = 288``) run the jnp kernel in auto mode.
+  * ``"gpu"``: Triton. Grid ``(num_seqs, heads / GPU_HEAD_TILE)``: a program attends 16 heads and
+    loops over its sequence's rows ``GPU_KEYS`` at a time, loading them by block id (so each page
+    is read once per 16 heads, from L2 after the first; whole-head tiles of 128 heads x 256 values
+    would pass the shared memory). Triton needs power-of-two tiles: ``W/2`` and ``block_size``
+    powers of two. Other shapes (DeepSeek-V3's ``W/2 = 288``) run the jnp kernel in auto mode.
   * ``"xla"``: the jnp kernel (`reference.mla_paged_decode_reference`).
   * ``None``/``"auto"``: the kernel of the platform being lowered for (``lax.platform_dependent``);
     with ``interpret=True``, the TPU kernel interpreted on any host.
@@ -35,15 +37,16 @@ from jpaged_kernels.shapes import DEFAULT_MASK_VALUE, next_power_of_2
 
 
 def _online_step(carry, logits, k, v, mask):
-    """One online-softmax update with the values' two halves ``k``, ``v`` ``[t, W/2]``."""
+    """One online-softmax update with the values' two halves ``k``, ``v`` ``[t, W/2]`` (the
+    weights cast to their dtype for the products, float32 accumulation)."""
     m_prev, l_prev, acc_k, acc_v = carry
     logits = jnp.where(mask, logits, DEFAULT_MASK_VALUE)
     m = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))
     p = jnp.where(mask, jnp.exp(logits - m), 0.0)
     alpha = jnp.exp(m_prev - m)
     l = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-    acc_k = alpha * acc_k + jnp.dot(p, k, preferred_element_type=jnp.float32)
-    acc_v = alpha * acc_v + jnp.dot(p, v, preferred_element_type=jnp.float32)
+    acc_k = alpha * acc_k + jnp.dot(p.astype(k.dtype), k, preferred_element_type=jnp.float32)
+    acc_v = alpha * acc_v + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return m, l, acc_k, acc_v
 
 
@@ -121,22 +124,27 @@ def _decode_tpu(q_k, q_v, k_pages, v_pages, block_tables, seq_lens, *, scale, in
 # ---------------------------------------------------------------------------
 
 
-def _gpu_kernel(qk_ref, qv_ref, k_ref, v_ref, table_ref, seq_len_ref, ok_ref, ov_ref, *, scale: float):
+GPU_HEAD_TILE = 16  # query heads per Triton program (the fewest a Triton dot takes)
+GPU_KEYS = 16       # latent rows per online-softmax step of a Triton program (part of a block)
+
+
+def _gpu_kernel(qk_ref, qv_ref, k_ref, v_ref, table_ref, seq_len_ref, ok_ref, ov_ref, *, scale: float, keys: int):
     heads, half = qk_ref.shape
     block_size = k_ref.shape[1]
     seq_len = seq_len_ref[()]
     q_k, q_v = qk_ref[...], qv_ref[...]
 
     def body(j, carry):
-        block = table_ref[j]
-        k, v = k_ref[block], v_ref[block]
+        start = j * keys
+        block, row0 = table_ref[lax.div(start, block_size)], lax.rem(start, block_size)
+        k, v = k_ref[block, pl.ds(row0, keys)], v_ref[block, pl.ds(row0, keys)]
         logits = _scores(q_k, q_v, k, v, scale)
-        cols = j * block_size + lax.broadcasted_iota(jnp.int32, (heads, block_size), 1)
+        cols = start + lax.broadcasted_iota(jnp.int32, (heads, keys), 1)
         return _online_step(carry, logits, k, v, cols < seq_len)
 
     init = (jnp.full((heads, 1), -jnp.inf, jnp.float32), jnp.zeros((heads, 1), jnp.float32),
             jnp.zeros((heads, half), jnp.float32), jnp.zeros((heads, half), jnp.float32))
-    _, l, acc_k, acc_v = lax.fori_loop(0, pl.cdiv(seq_len, block_size), body, init)
+    _, l, acc_k, acc_v = lax.fori_loop(0, pl.cdiv(seq_len, keys), body, init)
     ok_ref[...] = _normalized(l, acc_k).astype(ok_ref.dtype)
     ov_ref[...] = _normalized(l, acc_v).astype(ov_ref.dtype)
 
@@ -144,16 +152,20 @@ def _gpu_kernel(qk_ref, qv_ref, k_ref, v_ref, table_ref, seq_len_ref, ok_ref, ov
 def _decode_gpu(q_k, q_v, k_pages, v_pages, block_tables, seq_lens, *, scale, interpret):
     num_seqs, heads, half = q_k.shape
     _, num_blocks, block_size, _ = k_pages.shape
-    heads_p = max(16, next_power_of_2(heads))  # Triton dots need M >= 16, power-of-two tiles
-    pad = lambda x: jnp.pad(x.astype(jnp.float32), ((0, 0), (0, heads_p - heads), (0, 0)))  # noqa: E731
-    q_spec = pl.BlockSpec((None, heads_p, half), lambda s: (s, 0, 0))
-    page_spec = pl.BlockSpec((None, num_blocks, block_size, half), lambda s: (0, 0, 0, 0))
+    tile = GPU_HEAD_TILE
+    heads_p = tile * -(-heads // tile)
+    keys = min(GPU_KEYS, block_size)
+    # queries in the page dtype (the dots' operands match); heads padded to whole tiles
+    pad = lambda x: jnp.pad(x.astype(k_pages.dtype), ((0, 0), (0, heads_p - heads), (0, 0)))  # noqa: E731
+    q_spec = pl.BlockSpec((None, tile, half), lambda s, h: (s, h, 0))
+    page_spec = pl.BlockSpec((None, num_blocks, block_size, half), lambda s, h: (0, 0, 0, 0))
     out_shape = jax.ShapeDtypeStruct((num_seqs, heads_p, half), jnp.float32)
     tables = block_tables.astype(jnp.int32)
     o_k, o_v = gpu_call(
-        functools.partial(_gpu_kernel, scale=scale), grid=(num_seqs,),
-        in_specs=[q_spec, q_spec, page_spec, page_spec, pl.BlockSpec((None, tables.shape[1]), lambda s: (s, 0)),
-                  pl.BlockSpec((None,), lambda s: (s,))],
+        functools.partial(_gpu_kernel, scale=scale, keys=keys), grid=(num_seqs, heads_p // tile),
+        in_specs=[q_spec, q_spec, page_spec, page_spec,
+                  pl.BlockSpec((None, tables.shape[1]), lambda s, h: (s, 0)),
+                  pl.BlockSpec((None,), lambda s, h: (s,))],
         out_specs=[q_spec, q_spec], out_shape=[out_shape, out_shape],
         interpret=interpret, name="mla_paged_decode_gpu",
     )(pad(q_k), pad(q_v), k_pages, v_pages, tables, seq_lens.astype(jnp.int32))
