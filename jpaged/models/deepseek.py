@@ -31,7 +31,6 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-import jpaged_kernels
 from jpaged import sharding
 from jpaged.models.attention import BACKENDS, AttentionMetadata, PagedAttention, _interpret
 from jpaged.models.layers import RMSNorm, apply_rope, linear, project, rope_cos_sin

@@ -33,7 +33,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jpaged_kernels.paged_mla.reference import mla_paged_decode_reference
 from jpaged_kernels.pallas.common import dispatch, gpu_call, gpu_supported, tpu_call
-from jpaged_kernels.shapes import DEFAULT_MASK_VALUE, next_power_of_2
+from jpaged_kernels.shapes import DEFAULT_MASK_VALUE
 
 
 def _online_step(carry, logits, k, v, mask):
