@@ -203,3 +203,16 @@ def test_unsupported_variants_are_refused_before_any_weight(tmp_path, change, fi
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=field):
         LLM(str(tmp_path), **ENGINE)
+
+
+@pytest.mark.slow
+def test_benchmark_script_runs():
+    """scripts/benchmark_mla.py on a small layer: both variants, their outputs equal."""
+    from run_script import run_script
+
+    result = run_script("benchmark_mla.py", "--contexts=64", "--batch=1", "--heads=2", "--kv_lora_rank=32",
+                        "--rope_dim=16", "--nope_dim=16", "--v_dim=16", "--runs=1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split() for line in result.stdout.splitlines() if line.strip().startswith("64 ")]
+    assert [r[1] for r in rows] == ["mla", "expanded", "ratio"]
+    assert float(rows[0][-1]) < 1e-4 and "DeepSeek-V3 671B, MLA latent" in result.stdout
