@@ -9,6 +9,7 @@ import os
 import numpy as np
 
 from jpaged.models import ModelConfig
+from jpaged.models.model_config import MLA_MODEL_TYPES
 from jpaged.utils import read_json  # noqa: F401  (re-exported: loaders import it from here)
 
 
@@ -44,7 +45,7 @@ def model_config(hf_config: dict, source: str) -> ModelConfig:
         sizes[keys[0]] = value
     heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
     kv_heads = text.get("num_key_value_heads")
-    if kv_heads is not None:
+    if kv_heads is not None and hf_config.get("model_type") not in MLA_MODEL_TYPES:  # MLA: no KV heads
         if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1:
             bad(f"num_key_value_heads={kv_heads!r}: must be a positive integer")
         if heads % kv_heads:

@@ -1,4 +1,5 @@
 """Model registry: Hugging Face architecture name -> jpaged NNX model class."""
+from jpaged.models.deepseek import DeepseekForCausalLM
 from jpaged.models.gemma import GemmaForCausalLM
 from jpaged.models.gpt2 import GPT2LMHeadModel
 from jpaged.models.gpt_oss import GptOssForCausalLM
@@ -22,6 +23,8 @@ MODEL_REGISTRY = {
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "GptOssForCausalLM": GptOssForCausalLM,
     "Llama4ForCausalLM": Llama4ForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
 }
 
 

@@ -5,10 +5,16 @@ Attention per layer: ``sliding_windows[i]`` is layer i's window (a query at posi
 each architecture's own rule (Mistral and Mixtral: every layer; Qwen2/3: ``use_sliding_window``
 from ``max_window_layers`` on; Gemma 2: every other layer; Gemma 3: all but every
 ``sliding_window_pattern``-th). A field the engine cannot honour is a ValueError naming it.
+
+Multi-head latent attention (DeepSeek-V2/V3, `MLA_MODEL_TYPES`) caches one latent row of
+``kv_lora_rank + qk_rope_head_dim`` values per token for all heads: its ``num_kv_heads`` (1) and
+``head_dim`` (half the row) are the KV pool's geometry, the row's two halves living in the pool's
+K and V page tensors (`jpaged.models.deepseek`).
 """
 from dataclasses import dataclass, field
 
 LAYER_TYPES = ("full_attention", "sliding_attention")  # the layer_types values jpaged runs
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention: a latent KV pool
 
 
 @dataclass
@@ -53,10 +59,13 @@ class ModelConfig:
         eos = text.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         rope, rope_theta, local_theta = _rope(text, model_type)
+        head_dim = text.get("head_dim") or hidden // heads
+        if model_type in MLA_MODEL_TYPES:
+            kv_heads, head_dim = 1, latent_row_width(text) // 2
         return cls(
             architecture=arch, model_type=model_type,
             vocab_size=text["vocab_size"], hidden_size=hidden, num_layers=layers, num_heads=heads,
-            num_kv_heads=kv_heads, head_dim=text.get("head_dim") or hidden // heads,
+            num_kv_heads=kv_heads, head_dim=head_dim,
             max_position_embeddings=(text.get("max_position_embeddings") or text.get("n_positions")
                                      or 2048),
             intermediate_size=text.get("intermediate_size") or text.get("ffn_dim") or text.get("n_inner")
@@ -73,6 +82,20 @@ class ModelConfig:
             attn_logit_softcap=None if model_type == "gemma3_text" else text.get("attn_logit_softcapping"),
             final_logit_softcap=text.get("final_logit_softcapping"),
             query_pre_attn_scalar=text.get("query_pre_attn_scalar"), local_rope_theta=local_theta, hf=d)
+
+
+def latent_row_width(text: dict) -> int:
+    """``kv_lora_rank + qk_rope_head_dim`` of an MLA config: the values cached per token (even, as
+    the pool stores the row in two halves)."""
+    for name in ("kv_lora_rank", "qk_rope_head_dim"):
+        value = text.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: must be a positive integer")
+    width = text["kv_lora_rank"] + text["qk_rope_head_dim"]
+    if width % 2:
+        raise ValueError(f"kv_lora_rank={text['kv_lora_rank']}: kv_lora_rank + qk_rope_head_dim={width} must be "
+                         "even (the latent row is stored as two halves)")
+    return width
 
 
 def _is_default(rope: dict | None) -> bool:
