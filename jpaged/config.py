@@ -5,7 +5,7 @@ import ml_dtypes
 import numpy as np
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}  # by EngineConfig.dtype name
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # CacheConfig.kv_cache_dtype; 8-bit: jpaged_kernels/quant.py
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # CacheConfig.kv_cache_dtype; 8-bit: pallas_kernels/quant.py
 QUANTIZATIONS = ("int8", "gguf")  # EngineConfig.quantization values besides None
 LOGPROBS_MODES = {"raw_logprobs": "raw_logprobs", "processed_logprobs": "processed_logprobs",  # vLLM's names
                   "raw": "raw_logprobs", "processed": "processed_logprobs"}                  # and the short ones

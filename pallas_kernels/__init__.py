@@ -19,13 +19,13 @@ block_size + offset``; block tables int32 ``[num_seqs, max_blocks_per_seq]``. At
 ``sliding_window=`` and ``logits_soft_cap=`` on every backend.
 """
 
-from jpaged_kernels import pool, quant
-from jpaged_kernels.jnp import (
+from pallas_kernels import pool, quant
+from pallas_kernels.jnp import (
     copy_blocks_reference, paged_attention_reference, ragged_paged_attention_reference,
     write_kv_reference)
-from jpaged_kernels.pallas import (
+from pallas_kernels.pallas import (
     EXPORT_DISABLED_CHECKS, copy_blocks, paged_attention, ragged_paged_attention, write_kv)
-from jpaged_kernels.quant import KV_DTYPES, SCALE_DTYPE, dequantize, pack_scales, quantize, unpack_scales
+from pallas_kernels.quant import KV_DTYPES, SCALE_DTYPE, dequantize, pack_scales, quantize, unpack_scales
 
 __all__ = [
     "EXPORT_DISABLED_CHECKS",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jpaged_kernels import quant
+from pallas_kernels import quant
 
 
 def layer_arrays(num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int,

@@ -39,7 +39,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from jpaged_kernels.shapes import cdiv
+from pallas_kernels.shapes import cdiv
 
 SCALE_DTYPE = jnp.bfloat16
 SCALE_WORD_DTYPE = jnp.uint32

@@ -1,5 +1,5 @@
 """Compiles every step shape of an engine for a TPU or GPU target ahead of time, without weights or
-a device, with the real compilers (`jpaged.engine.aot`).
+a device, with the real compilers (`jpaged.entrypoints.aot`).
 
   python scripts/aot_compile.py --flagfile=configs/llama3.1-8b-v5e-8.flags --topology=v5e:2x4
   python scripts/aot_compile.py --model=configs/models/qwen2.5-7b.json --gpu=h100 --max_model_len=8192
@@ -120,8 +120,8 @@ def main(argv):
     del argv
     name, platform, topology = target()
     in_compiler_environment(platform)
-    from jpaged.engine import aot
-    from jpaged.engine.startup import engine_config
+    from jpaged.entrypoints import aot
+    from jpaged.config_resolution import engine_config
 
     model, kwargs = llm_args()
     try:

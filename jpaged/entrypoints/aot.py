@@ -3,11 +3,12 @@
 `compile_engine` does for a target what start-up does on one (`startup.build`), abstractly: the
 model's parameters as ``jax.ShapeDtypeStruct`` placed by the real sharding rules on a mesh of the
 target's devices (KV heads repeated when tensor parallelism exceeds them, as loading does), the KV
-pool sized from ``memory_utilization`` of the chip's memory less the weights and the largest step's
-temporaries, then every step of the warm-up plan (`runner.precompile.step_plan` on the whole-step
-path, the code the engine runs on TPU/GPU: one jitted function per step, the pool donated) through
+pool sized by start-up's own function (`startup.num_kv_blocks`: ``num_kv_blocks``, else
+``kv_cache_memory_bytes``, else ``memory_utilization`` of the chip's memory less the weights and the
+largest step's temporaries), then every step of the warm-up plan (`runner.precompile.step_plan` on
+the whole-step path, the code the engine runs on TPU/GPU: one jitted function per step, the pool donated) through
 ``jax.jit(...).trace(...).lower().compile()``. The compilers are the real ones (libtpu's Mosaic and
-XLA TPU; XLA GPU, Triton and ptxas), run from a CPU host (`jpaged_kernels.aot`). A compile proves
+XLA TPU; XLA GPU, Triton and ptxas), run from a CPU host (`pallas_kernels.aot`). A compile proves
 that the step compiles and fits, never a speed.
 """
 import dataclasses
@@ -18,10 +19,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-import jpaged_kernels
+import pallas_kernels
 from jpaged import sharding
 from jpaged.config import EngineConfig
-from jpaged.engine.startup import resolve_dtypes
+from jpaged.engine.startup import num_kv_blocks, resolve_dtypes
 from jpaged.loading.model_loader import abstract_model, kv_replicated_config
 from jpaged.models import ModelConfig
 from jpaged.core.kv_cache_layout import KVCacheLayout, kv_cache_layout
@@ -32,9 +33,8 @@ from jpaged.runner.inputs import prepare_inputs
 from jpaged.runner.model_runner import jit_whole_step
 from jpaged.runner.precompile import step_plan
 from jpaged.sample.sampler import sampling_tensors
-from jpaged.utils import cdiv
-from jpaged_kernels.aot import targets as aot_targets
-from jpaged_kernels.aot.compile import captured_stderr, parse_spills
+from pallas_kernels.aot import targets as aot_targets
+from pallas_kernels.aot.compile import captured_stderr, parse_spills
 
 GiB = 1 << 30
 TPU_HBM = {"v4": 32 * GiB, "v5e": 16 * GiB, "v5p": 95 * GiB, "v6e": 32 * GiB}  # per chip
@@ -93,7 +93,7 @@ class EngineCompile:
 
 def target_mesh(target: str, tensor_parallel_size: int, topology: str | None = None):
     """(mesh of ``tensor_parallel_size`` abstract devices, memory per chip in bytes) of ``target``
-    (a name of `jpaged_kernels.aot.targets.TARGETS`); ``topology``: a TPU slice (``"v5e:2x4"``,
+    (a name of `pallas_kernels.aot.targets.TARGETS`); ``topology``: a TPU slice (``"v5e:2x4"``,
     ``"v6e:4x4"``: four hosts) to take the devices from, instead of the target's 2x2."""
     from jax.experimental import topologies
 
@@ -137,7 +137,7 @@ def abstract_state(config: ModelConfig, mesh, *, dtype, quantization: str | None
 
 
 def abstract_caches(config: ModelConfig, mesh, *, num_tensors: int, num_blocks: int, block_size: int, kv_dtype):
-    specs = jpaged_kernels.pool.layer_arrays(config.num_kv_heads, num_blocks, block_size, config.head_dim, kv_dtype)
+    specs = pallas_kernels.pool.layer_arrays(config.num_kv_heads, num_blocks, block_size, config.head_dim, kv_dtype)
     layer = tuple(jax.ShapeDtypeStruct(shape, dt, sharding=sharding.kv_pool_sharding(mesh, len(shape)))
                   for shape, dt in specs)
     return [layer] * num_tensors
@@ -267,8 +267,8 @@ def compile_engine(model_config: ModelConfig, config: EngineConfig, target: str,
         # the largest step with a small pool gives the temporaries; the pool gets what is left
         probe = compile_all(min(1024, sc.max_num_seqs * per_seq), [plan[-1]])[0]
         temps = probe.memory.get("temp_size_in_bytes", 0) + probe.memory.get("generated_code_size_in_bytes", 0)
-        budget = int(hbm * cc.memory_utilization) - weight_bytes - temps
-        num_blocks = cc.num_kv_blocks or max(0, min(budget // per_block, sc.max_num_seqs * per_seq))
+        num_blocks, _, _ = num_kv_blocks(cc, sc.max_num_seqs, per_block=per_block, per_seq=per_seq,
+                                         device_budget=int(hbm * cc.memory_utilization) - weight_bytes - temps)
         steps = compile_all(max(num_blocks, 1), plan, progress) if probe.ok else [probe]
     done = [s for s in steps if s.ok]
     return EngineCompile(

@@ -169,7 +169,7 @@ class AsyncLLMEngine:
     def from_args(cls, model: str | None = None, *, max_queued_requests: int | None = None, **engine_kwargs):
         """Builds the engine with ``LLM(model, **engine_kwargs)``'s settings."""
         from jpaged.engine import create_engine
-        from jpaged.engine.startup import engine_config
+        from jpaged.config_resolution import engine_config
 
         return cls(create_engine(engine_config(model, **engine_kwargs)), max_queued_requests=max_queued_requests)
 

@@ -9,7 +9,7 @@ import time
 from tqdm.auto import tqdm
 
 from jpaged.engine import create_engine
-from jpaged.engine.startup import engine_config
+from jpaged.config_resolution import engine_config
 from jpaged.engine.llm_engine import LLMEngine
 from jpaged.outputs import BeamSearchOutput, BeamSequence, RequestOutput
 from jpaged.sampling_params import BeamSearchParams, SamplingParams

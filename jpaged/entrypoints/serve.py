@@ -60,7 +60,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 def build_app():
     """Loads the engine (warm-up included) and returns the FastAPI app."""
-    from jpaged.engine.async_engine import AsyncLLMEngine
+    from jpaged.entrypoints.async_engine import AsyncLLMEngine
     from jpaged.entrypoints.lora_adapters import parse_lora_modules
     from jpaged.entrypoints.openai_server import check_allowed_origins, create_app
 

@@ -14,8 +14,8 @@ import itertools
 import jax
 import jax.numpy as jnp
 
-from jpaged_kernels import pool
-from jpaged_kernels.pallas import copy_blocks, paged_attention, ragged_paged_attention, write_kv
+from pallas_kernels import pool
+from pallas_kernels.pallas import copy_blocks, paged_attention, ragged_paged_attention, write_kv
 
 KERNELS = ("paged_attention", "ragged_paged_attention", "write_kv", "copy_blocks")
 ATTENTION = KERNELS[:2]

@@ -19,7 +19,7 @@ import time
 import jax
 from jax.experimental.layout import Format, Layout
 
-from jpaged_kernels.aot import targets
+from pallas_kernels.aot import targets
 
 # "ptxas warning : Registers are spilled to local memory in function 'k', 8 bytes spill stores, 8 bytes spill loads"
 _SPILL = re.compile(r"[Rr]egisters are spilled to local memory in function '([^']+)'"

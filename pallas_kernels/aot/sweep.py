@@ -3,7 +3,7 @@
 Run inside the target's compiler venv (``venv.py``), e.g.::
 
     JAX_PLATFORMS=cpu TF_CPP_MIN_LOG_LEVEL=0 ~/.cache/jpaged/aot/gpu/bin/python \
-        -m jpaged_kernels.aot.sweep --target h100 --preset cross_section
+        -m pallas_kernels.aot.sweep --target h100 --preset cross_section
 
 Each line: ``{"target", "case", "ok", "error", "seconds", "memory", "spills"}``.
 """
@@ -15,9 +15,9 @@ import dataclasses
 import json
 import sys
 
-from jpaged_kernels.aot import cases as cases_lib
-from jpaged_kernels.aot import targets
-from jpaged_kernels.aot.compile import compile_for
+from pallas_kernels.aot import cases as cases_lib
+from pallas_kernels.aot import targets
+from pallas_kernels.aot.compile import compile_for
 
 
 def sweep(target: str, preset: str, only: str | None = None, out=sys.stdout) -> list[dict]:

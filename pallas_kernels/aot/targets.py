@@ -57,7 +57,7 @@ def get(name: str) -> Target:
 
 def gpu_target_config(name: str) -> str:
     """The ``GpuTargetConfigProto`` text of GPU target ``name``."""
-    return resources.files("jpaged_kernels.aot").joinpath("targets", f"{name}.txtpb").read_text()
+    return resources.files("pallas_kernels.aot").joinpath("targets", f"{name}.txtpb").read_text()
 
 
 @functools.cache

@@ -13,7 +13,7 @@ import site
 import subprocess
 import sys
 
-from jpaged_kernels.aot import targets
+from pallas_kernels.aot import targets
 
 SETUP = "bash scripts/setup_aot_compilers.sh"
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -86,14 +86,14 @@ def link_main_environment(venv_dir: str) -> str:
 
 
 def run_sweep(target: str, preset: str, only: str | None = None, timeout: float = 3600):
-    """Runs ``jpaged_kernels.aot.sweep`` for ``target`` in its venv.
+    """Runs ``pallas_kernels.aot.sweep`` for ``target`` in its venv.
 
     Returns:
       ``(records, stderr)``: one dict per compiled case (see ``sweep.py``) and the process's
       stderr (its last line counts the cases that compiled).
     """
     platform = targets.get(target).platform
-    cmd = [python(platform), "-m", "jpaged_kernels.aot.sweep", "--target", target,
+    cmd = [python(platform), "-m", "pallas_kernels.aot.sweep", "--target", target,
            "--preset", preset]
     if only:
         cmd += ["--only", only]
@@ -109,4 +109,4 @@ if __name__ == "__main__":  # used by scripts/setup_aot_compilers.sh
     elif sys.argv[1:2] == ["link"] and len(sys.argv) == 3:
         print(link_main_environment(sys.argv[2]))
     else:
-        sys.exit("usage: python -m jpaged_kernels.aot.venv site-dirs | link VENV_DIR")
+        sys.exit("usage: python -m pallas_kernels.aot.venv site-dirs | link VENV_DIR")

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType
 
-from jpaged_kernels.cpu import library, measure
-from jpaged_kernels.platform import target_platform
+from pallas_kernels.cpu import library, measure
+from pallas_kernels.platform import target_platform
 
 KERNELS = ("paged_attention", "matmul", "matmul_t", "greedy")
 MATMUL_ROWS = measure.MATMUL_ROWS[-1]  # the C++ matmul serves x [M, K] @ w [K, N] with M up to this

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpaged_kernels.cpu import library, ops
+from pallas_kernels.cpu import library, ops
 
 MATMUL_ROWS = (1, 8, 32, 64)  # matmul row classes: rows up to each bound
 GREEDY_ROWS = (16, 256)  # greedy row classes (more rows: the last)
@@ -231,7 +231,7 @@ def paged_attention(num_q_heads: int, num_kv_heads: int, head_dim: int, block_si
 
 
 def _measure_attention(hq, hkv, d, bs, key):
-    from jpaged_kernels.jnp.attention import ragged_paged_attention_reference
+    from pallas_kernels.jnp.attention import ragged_paged_attention_reference
 
     blocks = [-(-ctx // bs) for _, ctx in ATTENTION_STEP]
     tables = np.zeros((len(blocks), max(blocks)), np.int32)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpaged_kernels.cpu import library
+from pallas_kernels.cpu import library
 
 
 def _require() -> None:
@@ -25,7 +25,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc
                     prefill=True, sliding_window: int | None = None, logits_soft_cap: float | None = None):
     """float32 ``[T, Hq, D]``: the attention of every row (decode rows, and prompt chunks of 16
     tokens that attend causally); padding rows are zeros. ``prefill=False``: decode rows only, zeros
-    in every other row. Arguments as `jpaged_kernels.ragged_paged_attention`'s; ``sliding_window``:
+    in every other row. Arguments as `pallas_kernels.ragged_paged_attention`'s; ``sliding_window``:
     a query at position p attends the keys j with ``p - sliding_window < j <= p`` only;
     ``logits_soft_cap``: each scaled score s becomes ``cap * tanh(s / cap)`` (Gemma 2)."""
     if sliding_window is not None and sliding_window < 1:

@@ -20,7 +20,7 @@
 // 2); sliding_window w > 0 lets a query at position p see the keys j with p - w < j <= p only, and
 // key blocks wholly before its window are not read.
 //
-// Layout (jpaged_kernels/jnp/attention.py): q [T, Hq, D]; k_pages, v_pages [Hkv, NB, BS, D] float32;
+// Layout (pallas_kernels/jnp/attention.py): q [T, Hq, D]; k_pages, v_pages [Hkv, NB, BS, D] float32;
 // block_tables [S, B], seq_lens [S], query_start_loc [S + 1], num_seqs [] int32.
 
 #include <algorithm>

@@ -4,7 +4,7 @@ every kernel, and what the Pallas kernels are tested against.
 Every function here has the same signature as its kernel, so tests and callers can swap one for the
 other; ``backend="xla"`` (and the auto choice on CPU) of each kernel is the function here, and so is
 the engine's ``attention_backend="xla"``. They are checked against plain numpy loops in
-``tests/test_kernels.py``.
+``tests/kernels/test_kernels.py``.
 
 Attention does work in proportion to each sequence's real context, not to the padded batch:
 
@@ -39,8 +39,8 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from jpaged_kernels import quant
-from jpaged_kernels.shapes import DEFAULT_MASK_VALUE, cdiv, check_knobs
+from pallas_kernels import quant
+from pallas_kernels.shapes import DEFAULT_MASK_VALUE, cdiv, check_knobs
 
 # CPU defaults, measured with scripts/benchmark_kernels.py (README "Kernels").
 PAGES_PER_STEP = 4       # blocks per online-softmax step

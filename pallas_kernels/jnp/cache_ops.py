@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jpaged_kernels import pool, quant
+from pallas_kernels import pool, quant
 
 
 def write_slots(pools, rows, slot_mapping):

@@ -39,11 +39,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 import jax.numpy as jnp
 
-from jpaged_kernels import quant
-from jpaged_kernels.jnp import cache_ops as jnp_cache_ops
-from jpaged_kernels.pallas.common import dispatch, gpu_call
-from jpaged_kernels.pallas.tpu_cache_ops import copy_blocks_tpu, write_kv_tpu
-from jpaged_kernels.shapes import check_pools, is_power_of_2
+from pallas_kernels import quant
+from pallas_kernels.jnp import cache_ops as jnp_cache_ops
+from pallas_kernels.pallas.common import dispatch, gpu_call
+from pallas_kernels.pallas.tpu_cache_ops import copy_blocks_tpu, write_kv_tpu
+from pallas_kernels.shapes import check_pools, is_power_of_2
 
 # Elements of a page a Triton copy program moves: 16 KiB of float32 over 4 warps.
 _GPU_COPY_ELEMENTS = 4096

@@ -15,8 +15,8 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from jpaged_kernels import quant
-from jpaged_kernels.shapes import DEFAULT_MASK_VALUE, is_power_of_2
+from pallas_kernels import quant
+from pallas_kernels.shapes import DEFAULT_MASK_VALUE, is_power_of_2
 
 # Pass to ``jax.export.export(..., disabled_checks=EXPORT_DISABLED_CHECKS)``
 # when exporting the Triton (CUDA) kernels; see ``paged_attention.py``.

@@ -54,13 +54,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
-from jpaged_kernels import quant
-from jpaged_kernels.jnp import attention as jnp_attention
-from jpaged_kernels.pallas.common import (
+from pallas_kernels import quant
+from pallas_kernels.jnp import attention as jnp_attention
+from pallas_kernels.pallas.common import (
     PageCopies, attend_block, dispatch, finalize_softmax, gpu_block, gpu_call,
     gpu_keys_per_step, gpu_pool_specs, gpu_steps, gpu_supported, gpu_table, init_softmax_carry,
     tpu_call, tpu_scale_buffer, unpack_scale_row, visible, window_start, with_scale_args)
-from jpaged_kernels.shapes import check_attention_shapes, check_knobs, next_power_of_2
+from pallas_kernels.shapes import check_attention_shapes, check_knobs, next_power_of_2
 
 # Elements of a Triton program's [rows, head_dim or keys] tiles that 4 warps keep in registers
 # without spilling (ptxas, sm_90: docs/tpu_gpu.md); up to twice as many get 8 warps.

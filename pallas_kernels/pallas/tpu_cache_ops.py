@@ -30,8 +30,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
-from jpaged_kernels import quant
-from jpaged_kernels.pallas.common import tpu_call
+from pallas_kernels import quant
+from pallas_kernels.pallas.common import tpu_call
 
 _NO_SLOT = jnp.iinfo(jnp.int32).max
 

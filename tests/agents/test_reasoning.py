@@ -106,7 +106,7 @@ openai = pytest.importorskip("openai")
 def srv(llm):
     from types import SimpleNamespace
 
-    from jpaged.engine.async_engine import AsyncLLMEngine
+    from jpaged.entrypoints.async_engine import AsyncLLMEngine
     from jpaged.entrypoints.openai_server import create_app
     from test_server import start_server
 

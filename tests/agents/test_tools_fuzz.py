@@ -62,7 +62,7 @@ def srv(llama_dir):
     from types import SimpleNamespace
 
     from jpaged import LLM
-    from jpaged.engine.async_engine import AsyncLLMEngine
+    from jpaged.entrypoints.async_engine import AsyncLLMEngine
     from jpaged.entrypoints.openai_server import create_app
     from test_server import start_server
 

@@ -196,7 +196,7 @@ def test_engine_runs_each_allocator_with_paged_tokens():
     """Same model, kernels and scheduler: greedy tokens do not depend on the allocator."""
     from jpaged import LLM
     from jpaged.engine.llm_engine import LLMEngine
-    from jpaged.engine.startup import engine_config
+    from jpaged.config_resolution import engine_config
 
     model = tiny_llama()
     prompts = [[3 + i, 40, 50 + i, 9] * (i + 1) for i in range(3)]

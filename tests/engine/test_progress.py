@@ -66,7 +66,7 @@ def test_precompile_reports_its_step_shapes_on_stderr(llama_dir, capfd, monkeypa
 
 
 def test_kernel_choice_log_names_the_choice_once():
-    from jpaged_kernels.cpu import measure
+    from pallas_kernels.cpu import measure
 
     key = "matmul [8] x [8] rows<=8"
     measure._entries()[key] = {"cpp": True, "cpp_ms": 1.0, "xla_ms": 2.0}
@@ -82,7 +82,7 @@ def test_kernel_choice_log_names_the_choice_once():
 
 def test_step_plan_lists_each_step_shape_once():
     """A step of as many rows as tokens is already decode-only: the plan held it twice on pallas."""
-    from jpaged.engine.aot import step_name
+    from jpaged.entrypoints.aot import step_name
     from jpaged.runner.buckets import StepBuckets
     from jpaged.runner.precompile import step_plan
 
@@ -93,7 +93,7 @@ def test_step_plan_lists_each_step_shape_once():
 
 
 def test_aot_summary_notes_more_max_num_seqs_than_the_pool_holds():
-    from jpaged.engine.aot import EngineCompile
+    from jpaged.entrypoints.aot import EngineCompile
 
     def result(fit):
         return EngineCompile(target="h100", num_devices=1, hbm_bytes=1, weight_bytes=0, kv_bytes_per_block=1,
@@ -112,7 +112,7 @@ def test_aot_compile_all_shapes_prints_a_total_each_shape_once_and_time_left(tmp
 
     import transformers
 
-    from jpaged_kernels.aot import venv
+    from pallas_kernels.aot import venv
     from run_script import run_script
 
     if venv.missing("cuda") is not None:

@@ -14,7 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from jpaged import LLM, BeamSearchParams, SamplingParams
 from jpaged.sampling_params import StructuredOutputsParams
 from jpaged.engine.llm_engine import LLMEngine
-from jpaged.engine.startup import engine_config
+from jpaged.config_resolution import engine_config
 
 
 def tiny_model(vocab_size=64, num_layers=1, seed=0):

@@ -1,5 +1,5 @@
 """The whole engine step compiles ahead of time for TPU and GPU targets (`scripts/aot_compile.py`,
-`jpaged.engine.aot`), without weights or a device, with the real compilers.
+`jpaged.entrypoints.aot`), without weights or a device, with the real compilers.
 
 Default run: a Llama over two v5e chips, a Gemma 2 on v6e (windowed and global KV-cache groups,
 soft caps) and a Mixtral over two H100s (experts split whole), through the script as a user runs
@@ -17,7 +17,7 @@ import re
 
 import pytest
 
-from jpaged_kernels.aot import venv
+from pallas_kernels.aot import venv
 from run_script import REPO_ROOT as REPO, run_script
 
 # head_dim 128 (the TPU kernels' lane width), GQA group 2, two layers (Gemma 3: one windowed, one global)

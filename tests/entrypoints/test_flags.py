@@ -119,7 +119,7 @@ def test_generated_flags_are_the_fields():
     assert engine_flags.llm_args(fv) == (None, {})
     assert engine_flags.sampling_params(fv) == SamplingParams()
     # LLM(**kwargs) takes every engine flag's field (engine_config maps keywords onto the dataclasses)
-    from jpaged.engine.startup import engine_config
+    from jpaged.config_resolution import engine_config
     engine_config(None, **{s.field: s.default for s in specs if s.field != "model"})
 
 
@@ -152,7 +152,7 @@ def test_a_set_flag_reaches_its_field_with_its_type(spec):
 
 
 def test_engine_flags_reach_the_engine_config():
-    from jpaged.engine.startup import engine_config
+    from jpaged.config_resolution import engine_config
 
     fv = all_flags()
     fv(["prog", "--block_size=32", "--noenable_prefix_caching", "--engine_seed=7", "--max_num_seqs=4",

@@ -23,10 +23,10 @@ uvicorn = pytest.importorskip("uvicorn")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from jpaged import LLM  # noqa: E402
-from jpaged.engine.async_engine import AsyncLLMEngine  # noqa: E402
+from jpaged.entrypoints.async_engine import AsyncLLMEngine  # noqa: E402
 from jpaged.entrypoints.openai_server import create_app  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 API_KEY = "sk-test"
 MODEL = "tiny"
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

@@ -23,7 +23,7 @@ pytest.importorskip("uvicorn")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from jpaged import LLM  # noqa: E402
-from jpaged.engine.async_engine import AsyncLLMEngine  # noqa: E402
+from jpaged.entrypoints.async_engine import AsyncLLMEngine  # noqa: E402
 from jpaged.entrypoints.openai_server import REQUEST_FIELDS, create_app  # noqa: E402
 from test_server import API_KEY, CHAT_TEMPLATE, MODEL, start_server  # noqa: E402
 

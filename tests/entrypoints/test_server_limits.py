@@ -28,7 +28,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
 from jpaged import LLM  # noqa: E402
-from jpaged.engine.async_engine import AsyncLLMEngine  # noqa: E402
+from jpaged.entrypoints.async_engine import AsyncLLMEngine  # noqa: E402
 from jpaged.entrypoints import openai_server  # noqa: E402
 from test_server import (API_KEY, CHAT_TEMPLATE, GREEDY, MODEL, REPO, assert_openai_error, http,  # noqa: E402
                          start_server, wait_all_blocks_free)
@@ -339,7 +339,7 @@ def test_many_prompts_never_admitted_together_are_a_400(srv):
 def test_async_engine_admission_counts(srv):
     """add_requests is all or nothing; num_queued counts only what waits beyond max_num_seqs."""
     from jpaged import SamplingParams
-    from jpaged.engine.async_engine import QueueFullError
+    from jpaged.entrypoints.async_engine import QueueFullError
 
     gate = threading.Event()
     srv.engine.call(lambda: gate.wait(60))

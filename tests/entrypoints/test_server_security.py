@@ -33,7 +33,7 @@ except ImportError:  # the openai client's own dependency: httpx, or its httpx2 
 pytest.importorskip("uvicorn")
 
 from jpaged import LLM  # noqa: E402
-from jpaged.engine.async_engine import AsyncLLMEngine  # noqa: E402
+from jpaged.entrypoints.async_engine import AsyncLLMEngine  # noqa: E402
 from jpaged.entrypoints import openai_server  # noqa: E402
 from test_server import (API_KEY, CHAT_TEMPLATE, MODEL, REPO, assert_openai_error, start_server,  # noqa: E402
                          wait_all_blocks_free)

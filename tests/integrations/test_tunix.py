@@ -2,7 +2,7 @@
 GRPO loop (``GRPOLearner`` on ``RLCluster``) on a tiny random Tunix Llama 3, on CPU.
 
 Tunix pins packages the main environment has newer, so it lives in the venv of
-``scripts/setup_tunix.sh``; this file runs itself there (``python tests/test_tunix.py`` prints one
+``scripts/setup_tunix.sh``; this file runs itself there (``python tests/integrations/test_tunix.py`` prints one
 JSON line of results) and the pytest side checks them. A missing venv fails the test with the
 setup command; ``JPAGED_SKIP_TUNIX=1`` skips it instead.
 
@@ -21,7 +21,7 @@ import pytest
 
 TUNIX_DIR = os.environ.get("JPAGED_TUNIX_DIR", os.path.expanduser("~/.cache/jpaged/tunix"))
 TUNIX_PYTHON = os.path.join(TUNIX_DIR, "bin", "python")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OPT_OUT = "JPAGED_SKIP_TUNIX"
 RESULT_PREFIX = "TUNIX_RESULT "
 
@@ -32,7 +32,7 @@ MAX_TOKENS = 8
 
 
 def _tokenizer():
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: conftest
     from conftest import byte_tokenizer
 
     return byte_tokenizer()

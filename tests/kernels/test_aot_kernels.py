@@ -2,7 +2,7 @@
 
 The compilers (libtpu: Mosaic + XLA:TPU; jax-cuda12-plugin: XLA:GPU + Triton + ptxas) live in the
 venvs of ``scripts/setup_aot_compilers.sh``, outside this test process (both plugins change what
-``import jax`` does); each target's sweep runs in a subprocess there (``jpaged_kernels.aot``). A
+``import jax`` does); each target's sweep runs in a subprocess there (``pallas_kernels.aot``). A
 missing venv fails these tests with the command that creates it; ``JPAGED_SKIP_AOT=1`` skips
 them instead.
 
@@ -17,7 +17,7 @@ from concurrent import futures
 
 import pytest
 
-from jpaged_kernels.aot import cases, targets, venv
+from pallas_kernels.aot import cases, targets, venv
 
 OPT_OUT = "JPAGED_SKIP_AOT"
 DEFAULT_TARGETS = ("v5e", "v6e", "h100")

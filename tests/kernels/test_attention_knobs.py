@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jpaged_kernels as pk
+import pallas_kernels as pk
 
 
 def np_attention(q, k_pages, v_pages, tables, seq_lens, qsl, num_seqs, scale, window=None, cap=None):

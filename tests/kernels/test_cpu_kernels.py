@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (jpaged_kernels/cpu/, XLA FFI custom calls) against numpy and the jnp paths:
+"""The C++ CPU kernels (pallas_kernels/cpu/, XLA FFI custom calls) against numpy and the jnp paths:
 paged attention (decode rows, prompt chunks), greedy sampling's reductions, the small matmul."""
 import os
 
@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jpaged_kernels import cpu as cpu_kernels
-from jpaged_kernels.cpu import library, measure
+from pallas_kernels import cpu as cpu_kernels
+from pallas_kernels.cpu import library, measure
 from test_kernels import Case, as_np, check, check_ragged_reference, decode_case, np_context, np_ragged
 
 pytestmark = pytest.mark.skipif(library.compiler() is None, reason="no C++ compiler on this machine")

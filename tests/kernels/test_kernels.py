@@ -1,7 +1,7 @@
 """Kernels (interpret mode on CPU) vs references vs dumb numpy loops.
 
 Layers of trust: the numpy loops below are written for obviousness; the
-pure-jnp references in ``jpaged_kernels.jnp`` are checked against them;
+pure-jnp references in ``pallas_kernels.jnp`` are checked against them;
 the Pallas kernels (TPU/Mosaic and GPU/Triton variants, both interpreted) are
 checked against the references. Lowering for real hardware is checked in
 ``test_kernels_export.py``.
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jpaged_kernels as pk
+import pallas_kernels as pk
 
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5),
        jnp.bfloat16: dict(atol=3e-2, rtol=3e-2)}
@@ -273,7 +273,7 @@ def test_reference_window_reads_only_the_window():
 def test_reference_decode_batches_vs_numpy():
   """More decode rows than one batch holds (`DECODE_ROWS`): sorted longest first, each batch
   loops to its own longest context, padding rows (a bucket of 64) are skipped; a prefill too."""
-  from jpaged_kernels.jnp import attention as reference
+  from pallas_kernels.jnp import attention as reference
   lens = [3, 150, 17, 1, 64, 90, 33, 8, 121, 45, 2, 77, 16, 5, 60, 99, 31, 12, 140, 7]
   assert len(lens) > 2 * reference.DECODE_ROWS
   case = Case(seqs=[(1, n) for n in lens] + [(9, 30)], block_size=8, max_seqs=64, extra_tokens=5)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-import jpaged_kernels as pk
+import pallas_kernels as pk
 
 CUSTOM_CALL = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}
 # Ops that only the XLA references emit.

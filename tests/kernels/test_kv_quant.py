@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jpaged_kernels as pk
+import pallas_kernels as pk
 from conftest import COMMON, _save, random_prompts
 from jpaged import LLM, SamplingParams
 from jpaged.config import CacheConfig, check_kv_cache_dtype
-from jpaged.engine.startup import engine_config
+from jpaged.config_resolution import engine_config
 
 QDTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 _PLATFORM = jax.default_backend()

@@ -1,4 +1,4 @@
-"""Presets resolve by name from any directory: they ship inside the package (jpaged/configs)."""
+"""Presets resolve by name from any directory: they ship inside the package (jpaged/presets)."""
 import json
 import os
 import subprocess
@@ -8,14 +8,14 @@ import pytest
 
 from jpaged.loading import presets
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_names_resolve_from_another_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     want = presets.resolve("smollm2-135m-instruct", {})
     assert want[0] is None and want[1]["max_num_seqs"] == 64  # the embedded model, the preset's settings
-    for spelling in ("configs/smollm2-135m-instruct", "smollm2-135m-instruct.json"):
+    for spelling in ("presets/smollm2-135m-instruct", "smollm2-135m-instruct.json"):
         assert presets.resolve(spelling, {}) == want
     assert presets.resolve("smollm2-135m-instruct", {"max_num_seqs": 8})[1]["max_num_seqs"] == 8  # flags win
     assert "smollm2-135m-instruct" in presets.list_presets()
@@ -43,7 +43,7 @@ def test_non_editable_install_ships_the_presets(tmp_path):
                                                                   ".pytest_cache"))
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                     "--target", str(target), str(src)], check=True, timeout=600, capture_output=True)
-    assert (target / "jpaged" / "configs" / "smollm2-135m-instruct.json").is_file()
+    assert (target / "jpaged" / "presets" / "smollm2-135m-instruct.json").is_file()
     code = ("import jpaged, jpaged.loading.presets as p; assert jpaged.__file__.startswith(%r), jpaged.__file__; "
             "print(p.resolve('smollm2-135m-instruct', {})[1]['max_model_len'])" % str(target))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

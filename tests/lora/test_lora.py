@@ -241,14 +241,14 @@ def test_gather_and_ragged_deltas_agree():
 @pytest.mark.slow
 def test_whole_step_with_lora_compiles_for_tpu(tmp_path):
     """The accelerators' whole step with the LoRA slot stacks and slot inputs compiles for a v5e
-    chip (`jpaged.engine.aot.compile_engine`, the TPU compiler's venv, no device): Pallas attention
+    chip (`jpaged.entrypoints.aot.compile_engine`, the TPU compiler's venv, no device): Pallas attention
     and the grouped LoRA matmuls in one executable, for the fewest and most tokens of the plan."""
     import subprocess
     import sys
 
     from transformers import LlamaConfig
 
-    from jpaged_kernels.aot import venv
+    from pallas_kernels.aot import venv
 
     why = venv.missing("tpu")
     if why is not None:
@@ -261,8 +261,8 @@ def test_whole_step_with_lora_compiles_for_tpu(tmp_path):
     model_json.write_text(json.dumps(fields))
     code = f"""
 import json
-from jpaged.engine import aot
-from jpaged.engine.startup import engine_config
+from jpaged.entrypoints import aot
+from jpaged.config_resolution import engine_config
 from jpaged.loading import hf_checkpoint
 mc = hf_checkpoint.model_config(json.load(open({str(model_json)!r})), {str(model_json)!r})
 config = engine_config(None, enable_lora=True, max_loras=3, max_lora_rank=16, max_num_seqs=4,
@@ -284,7 +284,7 @@ def test_server_serves_adapters_by_model_name(llama_dir, adapters, tmp_path):
     from fastapi.testclient import TestClient
 
     from jpaged import LLM
-    from jpaged.engine.async_engine import AsyncLLMEngine
+    from jpaged.entrypoints.async_engine import AsyncLLMEngine
     from jpaged.entrypoints.lora_adapters import parse_lora_modules
     from jpaged.entrypoints.openai_server import create_app
 

@@ -24,7 +24,7 @@ from jpaged.loading import orbax_checkpoint
 from jpaged.loading.hf_checkpoint import iter_safetensors
 from jpaged.models.training import dense_view, greedy_generate
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENGINE = dict(num_kv_blocks=64, max_model_len=256, block_size=8)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
 

@@ -261,7 +261,7 @@ def post(url, path, body=None, key="sk-train"):
 def server(llm):
     from test_server import start_server
 
-    from jpaged.engine.async_engine import AsyncLLMEngine
+    from jpaged.entrypoints.async_engine import AsyncLLMEngine
     from jpaged.entrypoints.openai_server import create_app
 
     engine = AsyncLLMEngine(llm.llm_engine)

@@ -6,7 +6,7 @@ import sys
 
 from jpaged import LLM, SamplingParams
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "multihost_generate.py")
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "multihost_generate.py")
 
 
 def test_two_processes_serve_one_batch(llama_dir, tmp_path):

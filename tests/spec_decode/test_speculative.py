@@ -66,7 +66,7 @@ def test_reserved_slots_are_never_copied_and_rejected_blocks_go_back():
 
 
 def test_config_is_checked_before_anything_loads():
-    from jpaged.engine.startup import engine_config
+    from jpaged.config_resolution import engine_config
 
     assert SpeculativeConfig.of('{"method": "ngram", "num_speculative_tokens": 2}').num_speculative_tokens == 2
     for bad, match in [({"method": "eagle"}, "method"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
@@ -89,7 +89,7 @@ def test_engine_flag_takes_json():
     define_engine_flags(fv)
     fv(["prog", '--speculative_config={"method": "ngram", "num_speculative_tokens": 3}'])
     _, kwargs = llm_args(fv)
-    from jpaged.engine.startup import engine_config
+    from jpaged.config_resolution import engine_config
     assert engine_config(None, **kwargs).speculative_config.num_speculative_tokens == 3
 
 
