@@ -16,7 +16,8 @@ def is_power_of_2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
 
 
-def next_power_of_2(x: int) -> int:
+def next_power_of_two(x: int) -> int:
+    """The smallest power of two >= x (1 for x <= 1)."""
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
 

@@ -74,7 +74,7 @@ from pallas_kernels.pallas.common import (
     PageCopies, attend_block, dispatch, finalize_softmax, gpu_block, gpu_call,
     gpu_keys_per_step, gpu_pool_specs, gpu_steps, gpu_supported, gpu_table, init_softmax_carry,
     tpu_call, tpu_scale_buffer, unpack_scale_row, window_start, with_scale_args)
-from pallas_kernels.shapes import check_attention_shapes, check_knobs, next_power_of_2
+from pallas_kernels.shapes import check_attention_shapes, check_knobs, next_power_of_two
 
 
 # ---------------------------------------------------------------------------
@@ -233,11 +233,11 @@ def _paged_attention_gpu(q, k_pages, v_pages, block_tables, seq_lens, *scales,
     num_kv_heads, _, block_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
     pages_per_seq = block_tables.shape[1]
-    ppcb = next_power_of_2(min(pages_per_compute_block, pages_per_seq))
+    ppcb = next_power_of_two(min(pages_per_compute_block, pages_per_seq))
     itemsize = k_pages.dtype.itemsize
     keys = gpu_keys_per_step(head_dim, itemsize, block_size, ppcb, num_stages)
     # Triton dots need M >= 16 rows and power-of-two tiles: pad the group.
-    group_p = max(16, next_power_of_2(group))
+    group_p = max(16, next_power_of_two(group))
     q4 = q.reshape(num_seqs, num_kv_heads, group, head_dim)
     q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, group_p - group), (0, 0)))
     tables = gpu_table(block_tables, max(1, keys // block_size))

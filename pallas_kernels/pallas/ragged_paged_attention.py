@@ -60,7 +60,7 @@ from pallas_kernels.pallas.common import (
     PageCopies, attend_block, dispatch, finalize_softmax, gpu_block, gpu_call,
     gpu_keys_per_step, gpu_pool_specs, gpu_steps, gpu_supported, gpu_table, init_softmax_carry,
     tpu_call, tpu_scale_buffer, unpack_scale_row, visible, window_start, with_scale_args)
-from pallas_kernels.shapes import check_attention_shapes, check_knobs, next_power_of_2
+from pallas_kernels.shapes import check_attention_shapes, check_knobs, next_power_of_two
 
 # Elements of a Triton program's [rows, head_dim or keys] tiles that 4 warps keep in registers
 # without spilling (ptxas, sm_90: docs/tpu_gpu.md); up to twice as many get 8 warps.
@@ -329,7 +329,7 @@ def _gpu_tiling(num_queries_per_block, group, head_dim, keys, eight_bit, windowe
     windowed tile gets 8 warps from ``GPU_TILE_ELEMENTS / 2`` (so ptxas spills nothing on sm_80
     either)."""
     limit = GPU_TILE_ELEMENTS if eight_bit or windowed else 2 * GPU_TILE_ELEMENTS
-    tile = next_power_of_2(max(num_queries_per_block, pl.cdiv(16, group)))
+    tile = next_power_of_two(max(num_queries_per_block, pl.cdiv(16, group)))
     while tile * group > 16 and tile * group * max(head_dim, keys) > limit:
         tile //= 2
     eight_warps = GPU_TILE_ELEMENTS // 2 if windowed else GPU_TILE_ELEMENTS
@@ -343,11 +343,11 @@ def _ragged_gpu(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
     pages_per_seq = block_tables.shape[1]
-    ppcb = next_power_of_2(min(pages_per_compute_block, pages_per_seq))
+    ppcb = next_power_of_two(min(pages_per_compute_block, pages_per_seq))
     keys = gpu_keys_per_step(head_dim, k_pages.dtype.itemsize, block_size, ppcb, num_stages)
     # Power-of-two tiles of at least 16 rows for Triton dots; a group that is
     # not a power of two is padded with zero query heads.
-    group = next_power_of_2(num_q_heads // num_kv_heads)
+    group = next_power_of_two(num_q_heads // num_kv_heads)
     tile, num_warps = _gpu_tiling(num_queries_per_block, group, head_dim, keys, bool(scales),
                                   sliding_window is not None and keys > head_dim)
     num_tiles = pl.cdiv(num_tokens, tile)
