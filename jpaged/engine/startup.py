@@ -26,7 +26,7 @@ from jpaged.core.kv_offload import namespace as kv_namespace
 from jpaged.core.scheduler import Scheduler
 from jpaged.loading.model_loader import load_model
 from jpaged.logger import logger
-from jpaged.models.attention import attention_windows
+from jpaged.models.attention import attention_windows, resolve_backend
 from jpaged.progress import phase
 from jpaged.runner import kv_pool, precompile
 from jpaged.runner.buckets import StepBuckets
@@ -88,9 +88,7 @@ def resolve_platform(config: EngineConfig, mesh) -> tuple[object, str, object]:
     """(model dtype, attention backend, KV page dtype) for the mesh's platform."""
     device = mesh.devices.flat[0]
     platform = device.platform
-    backend = config.attention_backend
-    if backend == "auto":
-        backend = "pallas" if platform in ("tpu", "gpu") else "xla"
+    backend = resolve_backend(config.attention_backend, platform)
     check_kv_cache_dtype(config.cache.kv_cache_dtype, backend, platform, getattr(device, "compute_capability", None))
     dtype, kv_dtype = resolve_dtypes(config, platform)
     return dtype, backend, kv_dtype

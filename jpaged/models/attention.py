@@ -177,6 +177,19 @@ BACKENDS = {"xla": (pallas_kernels.write_kv_reference, xla_paged_attention),
             "pallas": (pallas_write_kv, pallas_paged_attention)}
 
 
+def resolve_backend(backend: str, platform: str) -> str:
+    """The attention backend (a key of `BACKENDS`) for ``attention_backend`` (``"auto"``,
+    ``"pallas"`` or ``"xla"``) on ``platform``: ``"auto"`` is ``"pallas"`` on TPU and GPU, ``"xla"``
+    elsewhere. With `BACKENDS` this is the one place that picks the attention code; below it the
+    kernels only pick their lowering (Mosaic on TPU, Triton on GPU, interpret mode elsewhere) and
+    `xla_paged_attention` the C++ CPU kernel where `pallas_kernels.cpu.runs` says it serves."""
+    if backend == "auto":
+        return "pallas" if platform in ("tpu", "gpu") else "xla"
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r}: expected 'auto' or one of {sorted(BACKENDS)}")
+    return backend
+
+
 class PagedAttention(nnx.Module):
     """Writes K/V for this step's tokens into the paged cache and attends through block tables.
 
