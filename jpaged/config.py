@@ -85,8 +85,9 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = field(default=None, metadata={
         "help": "KV pool size in bytes (> 0); wins over memory_utilization"})
     memory_utilization: float = field(default=0.9, metadata={
-        "help": "Share of the accelerator's memory, in (0, 1], for weights, temporaries and the KV pool "
-                "(the pool gets what is left)"})
+        "help": "Share of the accelerator's memory, in (0, 1], for the weights and the KV pool: the pool "
+                "gets it less what is in use once the weights are loaded (ahead of time, scripts/aot_compile.py: "
+                "less the weights and the largest step's temporaries); unused on the CPU"})
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "Automatic prefix caching: requests sharing a prompt prefix share its full KV blocks"})
     preemption_mode: str = field(default="recompute", metadata={

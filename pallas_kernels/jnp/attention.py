@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from pallas_kernels import quant
 from pallas_kernels.shapes import DEFAULT_MASK_VALUE, cdiv, check_knobs
 
-# CPU defaults, measured with scripts/benchmark_kernels.py (README "Kernels").
+# CPU defaults, measured with scripts/benchmark_kernels.py (docs/benchmarks.md, "Kernels").
 PAGES_PER_STEP = 4       # blocks per online-softmax step
 PREFILL_CHUNK = 16       # query tokens per prefill chunk
 PREFILL_BATCH = 8        # prefill chunks per batch
