@@ -1,8 +1,9 @@
 """Shared fixtures: small random Hugging Face checkpoints and the transformers greedy oracle.
 
 The tests are laid out like the package (``tests/core/`` for ``jpaged/core/``, ``tests/runner/``,
-``tests/kernels/`` for ``pallas_kernels/``, ...). Test hooks, the only ways a test reaches shared
-helpers: this file's fixtures and functions (``from conftest import byte_tokenizer``), ``run_script``
+``tests/kernels/`` for ``pallas_kernels/``, ...). Test hooks: a running engine's internals are
+reached through `jpaged.testing` (``model_state``, ``device_kv``, ``block_pool``, ``swap_space``);
+shared helpers through this file's fixtures and functions (``from conftest import byte_tokenizer``), ``run_script``
 (the scripts as a user runs them), ``agents_helpers`` (chat conversations and tools), and the
 helpers a test module defines for its neighbours (``from test_server import start_server``): every
 test folder is on ``sys.path`` (below), so such a module is imported by its name from any folder.

@@ -18,6 +18,7 @@ from jpaged import LLM, SamplingParams
 from jpaged.config import CacheConfig
 from jpaged.core.kv_offload import BlockEntry, DiskTier, HostTier, KVOffload
 from jpaged.core.kv_offload.disk_tier import TEMP_SUFFIX
+from jpaged import testing
 
 ENGINE = dict(block_size=8, num_kv_blocks=24, max_model_len=256, max_num_batched_tokens=64)
 
@@ -129,7 +130,7 @@ def _run(llm, name, hf_model, prompts_a, prompts_b):
     """Greedy parity (and no leak) for A, B, A; the metrics after."""
     for prompts in (prompts_a, prompts_b, prompts_a):
         metrics = assert_greedy_parity(name, hf_model, llm, prompts, max_tokens=8)
-    llm.llm_engine.kv_cache.pool.check_invariants()
+    testing.block_pool(llm).check_invariants()
     return metrics
 
 
@@ -177,7 +178,7 @@ def test_a_step_whose_loads_fail_leaves_no_wrong_hit(tmp_path, monkeypatch):
                                kv_offload={"host_bytes": 1 << 20})
     for prompts in (a, b):
         llm.generate(prompts, params, use_tqdm=False)
-    pool = llm.llm_engine.runner.kv_pool
+    pool = testing.device_kv(llm)
 
     def failing_write(loads):
         raise RuntimeError("injected load failure")

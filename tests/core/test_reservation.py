@@ -11,6 +11,7 @@ from jpaged.core.scheduler_output import StepResult
 from jpaged.core.request import Request, Sequence
 from jpaged.sampling_params import SamplingParams
 from jpaged.utils import next_power_of_two as next_pow2
+from jpaged import testing
 
 
 def seq(prompt: int, output: int | None) -> Sequence:
@@ -208,6 +209,6 @@ def test_engine_runs_each_allocator_with_paged_tokens():
         results[allocator] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         m = llm.get_metrics()
         assert m["num_free_blocks"] == 64 and m["num_preemptions"] == 0
-        llm.llm_engine.kv_cache.pool.check_invariants()
+        testing.block_pool(llm).check_invariants()
     assert results["paged"] == results["max"]
     assert [len(t) for t in results["paged"]] == [3, 5, 7]

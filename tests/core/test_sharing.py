@@ -4,6 +4,7 @@ import pytest
 
 from conftest import random_prompts
 from jpaged import LLM, SamplingParams
+from jpaged import testing
 
 
 def blocks_at_peak(llm):
@@ -111,7 +112,7 @@ def test_swap_and_recompute_preemption_give_the_unpreempted_tokens(llama_dir):
         m = llm.get_metrics()
         assert (m["num_preemptions"] > 0) == (name != "roomy"), name
         assert (m["num_swap_outs"] > 0) == (name == "swap"), name
-        assert llm.llm_engine.scheduler.swap_space.num_used_blocks == 0 and not llm.llm_engine.scheduler.swap_space.swapped
+        assert testing.swap_space(llm).num_used_blocks == 0 and not testing.swap_space(llm).swapped
         blocks_at_peak(llm)
     assert runs["recompute"] == runs["roomy"]
     assert runs["swap"] == runs["roomy"]

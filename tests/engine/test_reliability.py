@@ -15,6 +15,7 @@ from jpaged import LLM, BeamSearchParams, SamplingParams
 from jpaged.sampling_params import StructuredOutputsParams
 from jpaged.engine.llm_engine import LLMEngine
 from jpaged.config_resolution import engine_config
+from jpaged import testing
 
 
 def tiny_model(vocab_size=64, num_layers=1, seed=0):
@@ -46,10 +47,10 @@ def assert_clean(llm: LLM):
     engine = llm.llm_engine
     m = llm.get_metrics()
     assert m["num_free_blocks"] == m["num_total_blocks"], "blocks leaked"
-    engine.kv_cache.pool.check_invariants()
+    testing.block_pool(engine).check_invariants()
     assert not engine.requests and not engine.scheduler.running and not engine.scheduler.waiting
-    assert not engine.kv_cache.block_tables and not engine.scheduler.swap_space.swapped
-    assert engine.scheduler.swap_space.num_used_blocks == 0
+    assert not engine.kv_cache.block_tables and not testing.swap_space(engine).swapped
+    assert testing.swap_space(engine).num_used_blocks == 0
 
 
 def greedy_reference(model, prompt, max_tokens):
@@ -402,7 +403,7 @@ class EngineMachine(RuleBasedStateMachine):
                 holders[b] += 1
         assert holders == kv.pool.ref_counts
         assert set(kv.block_tables) <= {s.seq_id for s in live}
-        assert set(self.engine.scheduler.swap_space.swapped) <= set(self.engine.requests)
+        assert set(testing.swap_space(self.engine).swapped) <= set(self.engine.requests)
         queued = list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting)
         assert sorted(r.request_id for r in queued) == sorted(self.engine.requests)
 

@@ -17,6 +17,7 @@ from conftest import COMMON, _save, random_prompts
 from jpaged import LLM, SamplingParams
 from jpaged.config import CacheConfig, check_kv_cache_dtype
 from jpaged.config_resolution import engine_config
+from jpaged import testing
 
 QDTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 _PLATFORM = jax.default_backend()
@@ -337,7 +338,7 @@ def test_blocks_per_byte_budget(hd64_dir):
     fp8, _ = _blocks(path, kv_cache_dtype="fp8")
     bf16, _ = _blocks(path, dtype="bfloat16")
     assert int8 == fp8 and int8 >= 3.8 * f32 and int8 >= 1.9 * bf16, (f32, bf16, int8)
-    k_pages, v_pages, kv_scales = llm.llm_engine.runner.kv_pool.caches[0]
+    k_pages, v_pages, kv_scales = testing.device_kv(llm).caches[0]
     assert k_pages.dtype == jnp.int8 and kv_scales.dtype == jnp.uint32
     assert k_pages.shape[:3] == (2, int8, 16) and kv_scales.shape == pk.quant.scales_shape(2, int8, 16)
 
@@ -346,7 +347,7 @@ def _generate(path, tp, prompts, **kw):
     llm = LLM(path, tensor_parallel_size=tp, num_kv_blocks=40, block_size=8, max_model_len=256,
               max_num_batched_tokens=64, enable_prefix_caching=True, preemption_mode="swap", **kw)
     copies = []
-    pool = llm.llm_engine.runner.kv_pool
+    pool = testing.device_kv(llm)
     real_copy = pool.copy_blocks
     pool.copy_blocks = lambda c: (copies.extend(c), real_copy(c))[1]
     greedy = SamplingParams(temperature=0, max_tokens=12, min_tokens=12, logprobs=1)
@@ -371,7 +372,7 @@ def test_engine_int8_prefix_swap_forks_tp(hd64_dir):
     _, int8 = _generate(path, 1, prompts, kv_cache_dtype="int8")
     llm, int8_tp2 = _generate(path, 2, prompts, kv_cache_dtype="int8")
     assert [c.token_ids for c in int8_tp2] == [c.token_ids for c in int8]
-    scales = llm.llm_engine.runner.kv_pool.caches[0][2]
+    scales = testing.device_kv(llm).caches[0][2]
     assert scales.sharding.spec == jax.sharding.PartitionSpec("model", None, None)
     assert scales.addressable_shards[0].data.shape[0] == 1  # scales shard with their heads
     # A random model has near-ties (top-2 logprob gaps down to 0.02), so a sequence may diverge;
@@ -391,5 +392,5 @@ def test_engine_fp8_prefix_swap_forks(hd64_dir):
     path, _ = hd64_dir
     prompts = random_prompts(np.random.default_rng(1), [70, 9, 33, 51, 18, 64])
     llm, outs = _generate(path, 1, prompts, kv_cache_dtype="fp8")
-    assert llm.llm_engine.runner.kv_pool.caches[0][0].dtype == jnp.float8_e4m3fn
+    assert testing.device_kv(llm).caches[0][0].dtype == jnp.float8_e4m3fn
     assert all(len(c.token_ids) == 12 for c in outs)

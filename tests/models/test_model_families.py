@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import assert_greedy_parity, hf_greedy, random_prompts
 from jpaged import LLM, BeamSearchParams, SamplingParams
+from jpaged import testing
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=256, max_position_embeddings=2048, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
@@ -108,7 +109,7 @@ def test_parallel_samples_beams_and_swaps_share_blocks_in_every_group(tmp_path_f
         runs[mode] = [[c.token_ids for c in o.outputs] for o in outs]
         m = run.get_metrics()
         assert m["num_preemptions"] > 0 and (m["num_swap_outs"] > 0) == (mode == "swap")
-        assert m["num_free_blocks"] == m["num_total_blocks"] and not run.llm_engine.scheduler.swap_space.swapped
+        assert m["num_free_blocks"] == m["num_total_blocks"] and not testing.swap_space(run).swapped
     assert runs["swap"] == runs["recompute"]
 
 
@@ -124,7 +125,7 @@ def test_tensor_parallel_2_equals_transformers(tmp_path_factory, name):
     prompts = random_prompts(np.random.default_rng(5), [30, 9, 17])
     llm = engine(tmp_path_factory, name, tensor_parallel_size=2)
     assert _tokens(llm, prompts) == [hf_greedy(hf_model, p, 10)[0] for p in prompts]
-    state = llm.llm_engine.runner.state
+    state = testing.model_state(llm)
     if name == "mixtral":
         assert state["layers"][0]["mlp"]["experts"]["gate_proj"][...].sharding.spec == P(None, None, "model")
         assert state["layers"][0]["mlp"]["experts"]["down_proj"][...].sharding.spec == P(None, "model", None)
@@ -137,7 +138,7 @@ def test_expert_parallel_on_4_devices_equals_one_device(tmp_path_factory):
     one = _tokens(engine(tmp_path_factory, "qwen3_moe"), prompts)
     ep = engine(tmp_path_factory, "qwen3_moe", tensor_parallel_size=4, enable_expert_parallel=True)
     assert _tokens(ep, prompts) == one == [hf_greedy(hf_model, p, 10)[0] for p in prompts]
-    gate = ep.llm_engine.runner.state["layers"][0]["mlp"]["experts"]["gate_proj"][...]
+    gate = testing.model_state(ep)["layers"][0]["mlp"]["experts"]["gate_proj"][...]
     assert gate.sharding.spec == P("model", None, None) and gate.addressable_shards[0].data.shape[0] == 1
     with pytest.raises(ValueError, match="enable_expert_parallel"):
         engine(tmp_path_factory, "qwen3", enable_expert_parallel=True)

@@ -14,6 +14,7 @@ import pytest
 
 from conftest import COMMON, hf_greedy, random_prompts
 from jpaged import LLM, SamplingParams
+from jpaged import testing
 
 ENGINE = dict(num_kv_blocks=64, block_size=8, max_model_len=256)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8, logprobs=0)
@@ -80,13 +81,13 @@ def test_update_weights_serves_the_new_model_without_compiling(llm, llama_dir, s
             jax.sharding.PartitionSpec())) for k, v in hf_state_dict(second_llama[1]).items()}
     else:
         other = LLM(second_llama[0], **ENGINE)
-        weights = other.llm_engine.runner.state
+        weights = testing.model_state(other)
     llm.update_weights(weights)
     out = assert_serves(llm, second_llama[1], PROMPT)
     assert out.num_cached_tokens == 0, "a prefix-cache hit across a weight update"
     assert llm.get_metrics()["num_compilations"] == compilations
     assert jit_cache_sizes(engine.runner) == executables
-    for leaf in jax.tree.leaves(engine.runner.state):  # on the engine's own devices
+    for leaf in jax.tree.leaves(testing.model_state(engine)):  # on the engine's own devices
         assert leaf.sharding.device_set == {jax.devices()[0]}
     again = greedy_tokens(llm, PROMPT)
     assert again.num_cached_tokens > 0  # the cache works again with the new weights
@@ -102,7 +103,7 @@ def test_other_dtype_is_cast(llm, llama_dir):
 
     weights = {k: v.astype(ml_dtypes.bfloat16) for k, v in hf_state_dict(llama_dir[1]).items()}
     llm.update_weights(weights)
-    leaves = jax.tree.leaves(llm.llm_engine.runner.state)
+    leaves = jax.tree.leaves(testing.model_state(llm))
     assert all(x.dtype != ml_dtypes.bfloat16 for x in leaves)
     runner = llm.llm_engine.runner
     table = np.asarray(dict(zip(runner.weight_targets.paths, leaves))[("embed_tokens", "embedding")])
@@ -162,7 +163,7 @@ def test_sleep_frees_the_device_and_wake_up_restores(llm, llama_dir, second_llam
     before = greedy_tokens(llm, PROMPT)
     compilations, executables = llm.get_metrics()["num_compilations"], jit_cache_sizes(engine.runner)
     awake = live_bytes()
-    pool_bytes = sum(x.nbytes for layer in engine.runner.kv_pool.caches for x in layer)
+    pool_bytes = sum(x.nbytes for layer in testing.device_kv(engine).caches for x in layer)
     llm.sleep(level=1)
     assert awake - live_bytes() >= pool_bytes  # the pool and the weights left the device
     with pytest.raises(RuntimeError, match="asleep"):

@@ -20,6 +20,7 @@ from jpaged.models.quantized import (GGUFEmbed, GGUFLinear, QuantizedEmbed, Quan
 from jpaged.sharding import param_spec
 from test_gguf import TINY, random_hf_weights, write_tiny_gguf
 from test_models_paper import gpt2_dir, opt350m_style_dir  # noqa: F401  (fixtures)
+from jpaged import testing
 
 Q = gguf.GGMLQuantizationType
 ENGINE = dict(num_kv_blocks=40, block_size=8, max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8)
@@ -102,10 +103,10 @@ def test_int8_llama_from_safetensors_generates_and_agrees(llama_dir, float_token
     path, _ = llama_dir
     prompts, expected = float_tokens
     llm = LLM(path, quantization="int8", **ENGINE)
-    layer = llm.llm_engine.runner.state["layers"][0]
+    layer = testing.model_state(llm)["layers"][0]
     assert layer["mlp"]["up_proj"]["kernel"][...].dtype == jnp.int8
     assert layer["mlp"]["up_proj"]["scale"][...].shape == (128,)
-    assert llm.llm_engine.runner.state["embed_tokens"]["embedding"][...].dtype == jnp.int8
+    assert testing.model_state(llm)["embed_tokens"]["embedding"][...].dtype == jnp.int8
     tokens = greedy(llm, prompts)
     same = [a == b for got, want in zip(tokens, expected) for a, b in zip(got, want)]
     first = [got[0] == want[0] for got, want in zip(tokens, expected)]
@@ -120,7 +121,7 @@ def test_int8_from_orbax_checkpoint(llama_dir, float_tokens, tmp_path):
     model, _, tokenizer = load_model(path, dtype=jnp.float32, attention_backend="xla")
     ckpt = save_checkpoint(model, str(tmp_path / "ckpt"), tokenizer)
     llm = LLM(ckpt, quantization="int8", **ENGINE)
-    assert llm.llm_engine.runner.state["layers"][1]["self_attn"]["o_proj"]["kernel"][...].dtype == jnp.int8
+    assert testing.model_state(llm)["layers"][1]["self_attn"]["o_proj"]["kernel"][...].dtype == jnp.int8
     tokens = greedy(llm, prompts)
     same = [a == b for got, want in zip(tokens, expected) for a, b in zip(got, want)]
     assert np.mean(same) >= 0.75
@@ -138,7 +139,7 @@ def test_int8_opt_and_gpt2(request, fixture, linear, table):
     prompts = random_prompts(np.random.default_rng(7), [15, 26])
     expected = greedy(LLM(path, **ENGINE), prompts, n=8)
     llm = LLM(path, quantization="int8", **ENGINE)
-    state = llm.llm_engine.runner.state
+    state = testing.model_state(llm)
     node, emb = state, state
     for key in linear:
         node = node[key]
@@ -161,7 +162,7 @@ def test_int8_tensor_parallel_matches_one_device(llama_dir):
         llm = LLM(path, quantization="int8", tensor_parallel_size=tp, **ENGINE)
         tokens[tp] = greedy(llm, prompts)
     assert tokens[1] == tokens[2]
-    state = llm.llm_engine.runner.state
+    state = testing.model_state(llm)
     attn, mlp = state["layers"][0]["self_attn"], state["layers"][0]["mlp"]
     assert attn["q_proj"]["kernel"][...].sharding.spec == P(None, "model")
     assert attn["q_proj"]["scale"][...].sharding.spec == P("model")  # with its output channels
