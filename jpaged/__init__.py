@@ -8,7 +8,7 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "LLM": "jpaged.llm",
+    "LLM": "jpaged.entrypoints.llm",
     "LLMEngine": "jpaged.engine.llm_engine",
     "SamplingParams": "jpaged.sampling_params",
     "BeamSearchParams": "jpaged.sampling_params",

@@ -5,7 +5,7 @@ import ml_dtypes
 import numpy as np
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}  # by EngineConfig.dtype name
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # CacheConfig.kv_cache_dtype; 8-bit: jpaged_kernels/quant.py
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # CacheConfig.kv_cache_dtype; 8-bit: pallas_kernels/quant.py
 QUANTIZATIONS = ("int8", "gguf")  # EngineConfig.quantization values besides None
 LOGPROBS_MODES = {"raw_logprobs": "raw_logprobs", "processed_logprobs": "processed_logprobs",  # vLLM's names
                   "raw": "raw_logprobs", "processed": "processed_logprobs"}                  # and the short ones
@@ -85,8 +85,9 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = field(default=None, metadata={
         "help": "KV pool size in bytes (> 0); wins over memory_utilization"})
     memory_utilization: float = field(default=0.9, metadata={
-        "help": "Share of the accelerator's memory, in (0, 1], for weights, temporaries and the KV pool "
-                "(the pool gets what is left)"})
+        "help": "Share of the accelerator's memory, in (0, 1], for the weights and the KV pool: the pool "
+                "gets it less what is in use once the weights are loaded (ahead of time, scripts/aot_compile.py: "
+                "less the weights and the largest step's temporaries); unused on the CPU"})
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "Automatic prefix caching: requests sharing a prompt prefix share its full KV blocks"})
     preemption_mode: str = field(default="recompute", metadata={

@@ -4,15 +4,11 @@ import json
 
 import numpy as np
 
+# the integer helpers are defined once, with the kernels (which import nothing of jpaged)
+from pallas_kernels.shapes import cdiv, next_power_of_two
 
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division."""
-    return -(-a // b)
-
-
-def next_power_of_two(n: int) -> int:
-    """The smallest power of two >= n (1 for n <= 1)."""
-    return 1 << max(0, n - 1).bit_length()
+__all__ = ["bucket", "cdiv", "check_text", "invalid_text_path", "next_power_of_two", "pad_rows", "padded_ids",
+           "read_json", "release_free_host_memory", "step_bucket"]
 
 
 def step_bucket(n: int, minimum: int = 1) -> int:

@@ -18,14 +18,14 @@ echo "platform: ${platform:-unknown}; $(python -c 'import jax; print(jax.devices
 status=0
 if [[ "$platform" != "tpu" && "$platform" != "gpu" ]]; then
   echo "No TPU or GPU here: interpret-mode smoke test only (figures need an accelerator)."
-  PALLAS_INTERPRET=1 timeout 240 python -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+  PALLAS_INTERPRET=1 timeout 240 python -m pytest -q -p no:cacheprovider tests/kernels/test_kernels.py \
     -k "test_paged_attention and bs16_d64_g4_f32 or test_write_kv" || status=$?
   exit $status
 fi
 
 echo "== kernel tests, compiled for $platform =="
 PALLAS_INTERPRET=0 timeout 150 python -m pytest -q -p no:cacheprovider \
-  tests/test_kernels.py tests/test_kernels_export.py || status=$?
+  tests/kernels/test_kernels.py tests/kernels/test_kernels_export.py || status=$?
 
 echo "== paged (Pallas kernel) vs dense decode attention, bfloat16 =="
 timeout 60 python scripts/benchmark_kernels.py --mode=dense --backend=pallas --dtype=bfloat16 \

@@ -1,5 +1,5 @@
 """Compiles every step shape of an engine for a TPU or GPU target ahead of time, without weights or
-a device, with the real compilers (`jpaged.engine.aot`).
+a device, with the real compilers (`jpaged.entrypoints.aot`).
 
   python scripts/aot_compile.py --flagfile=configs/llama3.1-8b-v5e-8.flags --topology=v5e:2x4
   python scripts/aot_compile.py --model=configs/models/qwen2.5-7b.json --gpu=h100 --max_model_len=8192
@@ -9,7 +9,7 @@ a device, with the real compilers (`jpaged.engine.aot`).
 Every engine flag of ``scripts/generate.py`` applies. Prints OK or the compiler's error per step
 shape, then per chip: weights, KV pool, temporaries, the KV blocks that fit under
 ``--memory_utilization`` of the chip's memory, the largest batch of ``max_model_len`` sequences, and
-the compile time; then a roofline estimate (`jpaged.engine.roofline`, from the chip's published
+the compile time; then a roofline estimate (`jpaged.entrypoints.roofline`, from the chip's published
 bandwidth and peak: never a measurement): per decode step shape the least step time and the most
 output tok/s, and the most a deployment serves of 1,800 prompt / 128 output token requests. Exit status 1 if a step fails to compile or does not fit, 2 on a bad flag. The
 compilers live in their own virtual environments (``scripts/setup_aot_compilers.sh``); run from the
@@ -140,8 +140,8 @@ def main(argv):
     del argv
     name, platform, topology = target()
     in_compiler_environment(platform)
-    from jpaged.engine import aot
-    from jpaged.engine.startup import engine_config
+    from jpaged.entrypoints import aot
+    from jpaged.config_resolution import engine_config
 
     model, kwargs = llm_args()
     try:

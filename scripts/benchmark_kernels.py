@@ -24,7 +24,7 @@ ratio paged / dense.
 ``--mode=matmul``: a model's weight shapes (``--model bench-llama,smollm2``: the projections of
 one input in one call, as the layers make them), ``--rows`` rows each: the C++ matmul against
 XLA's dot with the weights evicted from the caches before each (as a decode step finds them;
-`jpaged_kernels.cpu.measure.time_steps`), and against the alternatives XLA offers in the same
+`pallas_kernels.cpu.measure.time_steps`), and against the alternatives XLA offers in the same
 process: the weight stored transposed ``[N, K]`` (``xla_wT``: a layout its GEMM might read without
 re-packing) and bfloat16 weights and rows with float32 results (``xla_bf16``). Each as ms, weight
 GB/s, GFLOP/s and the fraction of the GEMM peak. XLA's own options (``XLA_FLAGS``) are compared by
@@ -48,10 +48,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jpaged_kernels as pk
+import pallas_kernels as pk
 from bench_common import CACHE_DIR, describe_machine, model_dir
-from jpaged_kernels import cpu as cpu_kernels
-from jpaged_kernels.cpu import measure
+from pallas_kernels import cpu as cpu_kernels
+from pallas_kernels.cpu import measure
 
 _MODE = flags.DEFINE_enum("mode", "steps", ["steps", "dense", "matmul"],
                           "Engine-like steps (old vs new xla path), paged vs dense decode, or the matmul.")
@@ -200,8 +200,8 @@ def work(seqs, t_pad, b_pad, groups, bs, hkv, group, d):
 
     Keys read per query row: attended = its causal context; old = every chunk
     reads b_pad blocks; new = its batch's trip count x pages x bs, with the
-    batches of jpaged_kernels.jnp rebuilt here on the host."""
-    from jpaged_kernels.jnp import attention as ref
+    batches of pallas_kernels.jnp rebuilt here on the host."""
+    from pallas_kernels.jnp import attention as ref
     kv_bytes = lambda keys: keys * hkv * d * 2 * 4  # noqa: E731
     flops = lambda q_keys: q_keys * hkv * group * d * 4  # noqa: E731
     step = ref.PAGES_PER_STEP * bs
@@ -246,7 +246,7 @@ def run_steps():
     cpp_fn = jax.jit(functools.partial(cpu_kernels.paged_attention, scale=scale)) if cpp else None
     print(f"platform={jax.default_backend()} one layer: {hkv} kv heads x {group}, "
           f"head_dim {d}, block {bs}, float32; median of {_NUM_RUNS.value}; cpp_ms: the C++ kernel "
-          f"(jpaged_kernels/cpu/), every row")
+          f"(pallas_kernels/cpu/), every row")
     print(f"{'case':<38} {'old_ms':>8} {'new_ms':>8} {'speed-up':>8} {'cpp_ms':>8} "
           f"{'KV MB att/old/new':>20} {'MFLOP att/old/new':>20} {'max_diff':>9}")
     for name, seqs in STEP_CASES.items():

@@ -1,5 +1,5 @@
 """Multi-head latent attention decode on this CPU: one DeepSeek attention layer's decode step over
-the latent pool (absorbed up-projections, `jpaged_kernels.paged_mla`, what `DeepseekForCausalLM`
+the latent pool (absorbed up-projections, `pallas_kernels.paged_mla`, what `DeepseekForCausalLM`
 runs) against the same layer with per-head K and V expanded from the same latents into an
 ordinary paged pool (the engine's CPU attention path for a multi-head model, `xla_paged_attention`).
 
@@ -27,7 +27,7 @@ from absl import app, flags
 
 from bench_common import describe_machine
 from jpaged.models.attention import make_attention_metadata, xla_paged_attention
-from jpaged_kernels import paged_mla
+from pallas_kernels import paged_mla
 
 flags.DEFINE_list("contexts", ["1024", "8192"], "Context lengths to time")
 flags.DEFINE_integer("batch", 2, "Sequences decoding at once")

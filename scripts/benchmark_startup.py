@@ -22,7 +22,7 @@ its exit), as a user running a script sees it. Two cases:
 ``cold``: an empty compilation cache (jpaged: ``JAX_COMPILATION_CACHE_DIR``; vLLM: ``VLLM_CACHE_ROOT``
 and ``TORCHINDUCTOR_CACHE_DIR``), so everything compiles; ``warm``: the same directories again, as
 every later run of the script finds them. The C++ CPU kernels' library and measured choices
-(`jpaged_kernels.cpu`, built once per machine) are used as they are: the first run on a machine adds
+(`pallas_kernels.cpu`, built once per machine) are used as they are: the first run on a machine adds
 their build (~20-30 s) once. vLLM runs only with ``--vllm_python`` (its own virtualenv:
 docs/benchmarks.md); it is given the KV memory and thread settings of the throughput side-by-side.
 """

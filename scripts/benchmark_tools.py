@@ -126,7 +126,7 @@ def main(argv):
     import jsonschema
 
     from jpaged import LLM
-    from jpaged.engine.async_engine import AsyncLLMEngine
+    from jpaged.entrypoints.async_engine import AsyncLLMEngine
     from jpaged.entrypoints.openai_server import create_app
 
     for name in ("httpx", "httpx2", "openai"):

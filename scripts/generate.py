@@ -110,8 +110,8 @@ def main(argv):
         params = sampling_params(F)
         prompts = read_prompts()
         model, engine_kwargs = model_and_settings()
-        from jpaged.engine.startup import engine_config  # imports JAX
-        from jpaged.llm import LLM
+        from jpaged.config_resolution import engine_config  # imports JAX
+        from jpaged.entrypoints.llm import LLM
 
         engine_config(model, **engine_kwargs)  # every engine setting valid; loads nothing
         llm = LLM(model, **engine_kwargs)

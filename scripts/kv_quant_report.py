@@ -5,7 +5,7 @@ throughput at one fixed KV memory budget.
   python scripts/kv_quant_report.py --measure=false       # table only
   python scripts/kv_quant_report.py --kv_cache_memory_bytes 4194304 --num_requests 128
 
-The table uses the engine's own accounting (`jpaged_kernels.quant.bytes_per_row`: ``head_dim``
+The table uses the engine's own accounting (`pallas_kernels.quant.bytes_per_row`: ``head_dim``
 values per token and KV head, plus a bfloat16 scale for int8/fp8) for bench-llama and two real
 shapes. The measurement runs ``scripts/benchmark_throughput.py`` once with ``--kv_cache_dtype
 auto,<8-bit>`` on bench-llama at ``--kv_cache_memory_bytes``: the same bytes hold more 8-bit blocks,
@@ -18,7 +18,7 @@ import sys
 import jax.numpy as jnp
 from absl import app, flags
 
-from jpaged_kernels import quant
+from pallas_kernels import quant
 from bench_common import BENCH_LLAMA
 
 F = flags.FLAGS

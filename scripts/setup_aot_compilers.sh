@@ -9,7 +9,7 @@
 # jaxlib, numpy and absl and only adds the compilers. (`python -m venv --system-site-packages` would
 # not do: run from inside a venv it links the *base* interpreter's site-packages, not the venv's.)
 # Idempotent: a venv whose marker names the installed jax version and the same main environment is
-# kept. `jpaged_kernels.aot` finds them; `tests/test_aot_kernels.py` compiles every kernel in them.
+# kept. `pallas_kernels.aot` finds them; `tests/kernels/test_aot_kernels.py` compiles every kernel in them.
 #
 #   bash scripts/setup_aot_compilers.sh        # JPAGED_AOT_DIR defaults to ~/.cache/jpaged/aot
 set -euo pipefail
@@ -24,8 +24,8 @@ JAX_VERSION=$("$PYTHON" -c 'import jax; print(jax.__version__)' 2>/dev/null) \
   || fail "'$PYTHON' cannot import absl-py and numpy: install jpaged into that environment first (pip install -e .)"
 # The running interpreter's site-packages directories (venv, conda, the base interpreter, the user
 # site): what the compiler venvs add to their path.
-MAIN_SITE=$("$PYTHON" -m jpaged_kernels.aot.venv site-dirs) \
-  || fail "'$PYTHON -m jpaged_kernels.aot.venv' failed: run this script from the jpaged checkout after pip install -e ."
+MAIN_SITE=$("$PYTHON" -m pallas_kernels.aot.venv site-dirs) \
+  || fail "'$PYTHON -m pallas_kernels.aot.venv' failed: run this script from the jpaged checkout after pip install -e ."
 [[ -n "$MAIN_SITE" ]] || fail "'$PYTHON' reports no site-packages directory on its path"
 MARKER="$JAX_VERSION
 $MAIN_SITE"
@@ -40,7 +40,7 @@ make_venv() {  # name, import check, pip requirements...
   echo "aot venv $name: installing $* into $dir"
   rm -rf "$dir"
   "$PYTHON" -m venv "$dir" || fail "'$PYTHON -m venv $dir' failed (on Debian/Ubuntu: apt-get install python3-venv)"
-  "$PYTHON" -m jpaged_kernels.aot.venv link "$dir" >/dev/null || fail "could not link $dir to the main environment"
+  "$PYTHON" -m pallas_kernels.aot.venv link "$dir" >/dev/null || fail "could not link $dir to the main environment"
   "$dir/bin/python" -m pip install -q --disable-pip-version-check "$@" \
     || fail "pip could not install $* into $dir (its error is above)"
   JAX_PLATFORMS=cpu "$dir/bin/python" -c "$check" \

@@ -6,7 +6,7 @@
 #   runtime deps at versions that satisfy Tunix's pins.
 # The venv is self-contained (no --system-site-packages: from inside a venv that flag links the
 # base interpreter's packages, not the venv's). Idempotent: a venv whose marker matches the
-# requirement set below is kept. tests/test_tunix.py runs Tunix's GRPO loop in it.
+# requirement set below is kept. tests/integrations/test_tunix.py runs Tunix's GRPO loop in it.
 #
 #   bash scripts/setup_tunix.sh        # JPAGED_TUNIX_DIR defaults to ~/.cache/jpaged/tunix
 set -euo pipefail

@@ -1,5 +1,15 @@
-"""Shared fixtures: small random Hugging Face checkpoints and the transformers greedy oracle."""
+"""Shared fixtures: small random Hugging Face checkpoints and the transformers greedy oracle.
+
+The tests are laid out like the package (``tests/core/`` for ``jpaged/core/``, ``tests/runner/``,
+``tests/kernels/`` for ``pallas_kernels/``, ...). Test hooks: a running engine's internals are
+reached through `jpaged.testing` (``model_state``, ``device_kv``, ``block_pool``, ``swap_space``);
+shared helpers through this file's fixtures and functions (``from conftest import byte_tokenizer``), ``run_script``
+(the scripts as a user runs them), ``agents_helpers`` (chat conversations and tools), and the
+helpers a test module defines for its neighbours (``from test_server import start_server``): every
+test folder is on ``sys.path`` (below), so such a module is imported by its name from any folder.
+"""
 import os
+import sys
 
 import numpy as np
 import logging
@@ -8,6 +18,12 @@ import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+for _folder in sorted(os.listdir(TESTS_DIR)):
+    if not _folder.startswith((".", "_")) and os.path.isdir(os.path.join(TESTS_DIR, _folder)):
+        if os.path.join(TESTS_DIR, _folder) not in sys.path:
+            sys.path.append(os.path.join(TESTS_DIR, _folder))
 
 
 def byte_tokenizer():

@@ -6,7 +6,7 @@ import re
 import subprocess
 import sys
 
-from jpaged_kernels.aot import venv
+from pallas_kernels.aot import venv
 
 from run_script import REPO_ROOT
 

@@ -11,7 +11,7 @@ a step needs, for all of a request's sequences, or changes nothing and returns N
 Sliding windows: a manager whose layers all attend through a window of ``sliding_window`` keys
 releases the blocks every query has left behind. Before a step that starts at position p, the
 blocks wholly before ``p - sliding_window + 1`` go back to the pool and their table entries become
-`NULL_BLOCK` (the attention never reads them: `jpaged_kernels` start at the window's first block);
+`NULL_BLOCK` (the attention never reads them: `pallas_kernels` start at the window's first block);
 the table keeps its length, so block i still holds positions ``i * block_size ...``. A prefix-cache
 hit then needs only the blocks in the window of the first new token (a cached prefix whose window
 blocks were evicted is a shorter hit, never a wrong one). `HybridKVCacheManager` runs one of these

@@ -1,5 +1,5 @@
-"""The engine loop and what surrounds it: start-up, input and output processing, the async front
-(`async_engine`) and data parallelism."""
+"""The engine loop and what surrounds it: start-up, input and output processing and data
+parallelism (its fronts, `LLM` and the async engine, are in `jpaged.entrypoints`)."""
 
 
 def create_engine(config, **kwargs):

@@ -5,34 +5,10 @@ A new request goes to the replica with the fewest tokens still to process; ``ste
 every replica that has work. On one host the replicas run one after another (JAX dispatch is
 asynchronous, so their device work overlaps on accelerators).
 """
-from typing import Protocol
-
 import jax
 
 from jpaged.config import EngineConfig
 from jpaged.engine.llm_engine import LLMEngine
-from jpaged.outputs import RequestOutput
-
-
-class Engine(Protocol):
-    """What `LLM`, the async front and the server need from an engine: `LLMEngine` or
-    `DataParallelEngine`."""
-
-    tokenizer: object
-    max_num_seqs: int
-    input_processor: object
-
-    def process(self, request_id: str, prompt, sampling_params=None, **kwargs): ...
-
-    def add_request(self, request_id, prompt=None, sampling_params=None, **kwargs): ...
-
-    def abort_request(self, request_id: str) -> RequestOutput | None: ...
-
-    def step(self) -> list[RequestOutput]: ...
-
-    def has_unfinished_requests(self) -> bool: ...
-
-    def get_metrics(self) -> dict: ...
 
 
 class DataParallelEngine:

@@ -107,9 +107,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
-
     # The loop ---------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduling + model step; outputs of every request that advanced (or ended)."""
@@ -155,14 +152,15 @@ class LLMEngine:
         self.num_failed_steps += 1
         requests = [self.requests[r.request_id] for r in out.requests if r.request_id in self.requests]
         outputs = [self._end_with_error(request, repr(error)) for request in requests]
-        if any(pool.lost() for pool in self.runner.kv_pools):
+        if any(device_kv.lost() for device_kv in self.runner.kv_pools):  # the KV arrays on the device
             self.scheduler.preempt_all()
-            for pool in self.runner.kv_pools:
-                pool.reset()
-        if hasattr(self.kv_cache.pool, "forget_free_blocks"):
-            self.kv_cache.pool.forget_free_blocks()
-        if getattr(self.kv_cache.pool, "offload", None) is not None:
-            self.kv_cache.pool.offload.drop_pending()
+            for device_kv in self.runner.kv_pools:
+                device_kv.reset()
+        block_pool = self.kv_cache.pool  # the accounting of which block holds what
+        if hasattr(block_pool, "forget_free_blocks"):
+            block_pool.forget_free_blocks()
+        if getattr(block_pool, "offload", None) is not None:
+            block_pool.offload.drop_pending()
         return outputs
 
     def _fail_unschedulable(self) -> list[RequestOutput]:
@@ -236,8 +234,9 @@ class LLMEngine:
             raise ValueError(f"level={level!r}: must be 1 or 2")
         self._check_awake()
         self.check_idle("sleep", allow_paused=False)
-        if hasattr(self.kv_cache.pool, "forget_free_blocks"):  # the pool's contents are about to go
-            self.kv_cache.pool.forget_free_blocks()
+        block_pool = self.kv_cache.pool
+        if hasattr(block_pool, "forget_free_blocks"):  # the blocks' contents are about to go
+            block_pool.forget_free_blocks()
         self.runner.sleep(level)
         self.sleep_level = level
 
@@ -251,13 +250,13 @@ class LLMEngine:
     # Metrics -----------------------------------------------------------------------------------------
     def get_metrics(self) -> dict:
         running_seqs = [s for r in self.scheduler.running for s in r.live_seqs]
-        pool = self.kv_cache.pool
+        block_pool = self.kv_cache.pool
         return {
             "kv_cache_usage": self.kv_cache.usage(),
             "kv_cache_utilization": self.kv_cache.utilization(running_seqs),
             "peak_kv_cache_usage": self.peak_kv_cache_usage,
-            "num_total_blocks": pool.num_blocks,
-            "num_free_blocks": pool.num_free_blocks,
+            "num_total_blocks": block_pool.num_blocks,
+            "num_free_blocks": block_pool.num_free_blocks,
             "num_running_requests": len(self.scheduler.running),
             "num_waiting_requests": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
@@ -269,6 +268,6 @@ class LLMEngine:
             "block_size": self.config.cache.block_size,
             "attention_backend": self.attention_backend,
             **({} if self.scheduler.speculation is None else self.scheduler.speculation.stats.as_metrics()),
-            **({} if getattr(pool, "offload", None) is None else pool.offload.metrics()),
+            **({} if getattr(block_pool, "offload", None) is None else block_pool.offload.metrics()),
             **({} if self.lora is None else self.lora.metrics()),
         }

@@ -1,5 +1,5 @@
-"""Start-up: from `LLM`'s keyword arguments to an `EngineConfig` (`engine_config`), and from an
-`EngineConfig` to the engine's parts (`build`), each decided once.
+"""Start-up: from an `EngineConfig` (resolved from `LLM`'s keyword arguments by
+`jpaged.config_resolution.engine_config`) to the engine's parts (`build`), each decided once.
 
 The platform decides the defaults (bfloat16 and the Pallas kernels on TPU/GPU, float32 and the
 ``xla`` backend with the C++ kernels on the CPU); the model is loaded (or taken as given) onto a
@@ -15,26 +15,25 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import jpaged_kernels
+import pallas_kernels
 from jpaged import sharding
-from jpaged.config import DTYPES, CacheConfig, EngineConfig, SchedulerConfig, check_kv_cache_dtype
+from jpaged.config import DTYPES, CacheConfig, EngineConfig, check_kv_cache_dtype
 from jpaged.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from jpaged.core.kv_cache_layout import KVCacheLayout, kv_cache_layout
 from jpaged.core.kv_cache_manager import KVCacheManager
 from jpaged.core.kv_offload import KVOffload
 from jpaged.core.kv_offload import namespace as kv_namespace
 from jpaged.core.scheduler import Scheduler
-from jpaged.loading import presets
 from jpaged.loading.model_loader import load_model
 from jpaged.logger import logger
-from jpaged.models.attention import attention_windows
+from jpaged.models.attention import attention_windows, resolve_backend
 from jpaged.progress import phase
 from jpaged.runner import kv_pool, precompile
 from jpaged.runner.buckets import StepBuckets
 from jpaged.runner.compile_counter import CompileCounter
 from jpaged.runner.model_runner import ModelRunner
 from jpaged.runner.draft_proposer import DraftModelProposer, load_draft_model
-from jpaged.utils import cdiv, release_free_host_memory
+from jpaged.utils import release_free_host_memory
 
 
 @dataclasses.dataclass
@@ -57,23 +56,6 @@ class EngineParts:
     scheduler: Scheduler
     runner: ModelRunner
     lora: object = None      # the LoRAManager with enable_lora
-
-
-def _field_names(cls, *exclude) -> set[str]:
-    return {f.name for f in dataclasses.fields(cls)} - set(exclude)
-
-
-def engine_config(model: str | None = None, **kwargs) -> EngineConfig:
-    """A validated EngineConfig from LLM-style keyword arguments (a preset's settings filled in)."""
-    model, kwargs = presets.resolve(model, kwargs)
-    cache_keys, scheduler_keys = _field_names(CacheConfig), _field_names(SchedulerConfig)
-    engine_keys = _field_names(EngineConfig, "model", "cache", "scheduler")
-    unknown = set(kwargs) - cache_keys - scheduler_keys - engine_keys
-    if unknown:
-        raise ValueError(f"unknown engine argument(s): {sorted(unknown)}")
-    pick = lambda keys: {k: v for k, v in kwargs.items() if k in keys}  # noqa: E731
-    return EngineConfig(model=model, cache=CacheConfig(**pick(cache_keys)),
-                        scheduler=SchedulerConfig(**pick(scheduler_keys)), **pick(engine_keys))
 
 
 MIN_CACHED_COMPILE_SECONDS = 0.05  # JAX's default (1 s) would leave most CPU executables out of the cache
@@ -99,16 +81,14 @@ def resolve_dtypes(config: EngineConfig, platform: str) -> tuple[object, object]
     unless set."""
     dtype = DTYPES[config.dtype] if config.dtype != "auto" else (jnp.float32 if platform == "cpu" else jnp.bfloat16)
     kv_name = config.cache.kv_cache_dtype
-    return dtype, dtype if kv_name == "auto" else jpaged_kernels.KV_DTYPES[kv_name]
+    return dtype, dtype if kv_name == "auto" else pallas_kernels.KV_DTYPES[kv_name]
 
 
 def resolve_platform(config: EngineConfig, mesh) -> tuple[object, str, object]:
     """(model dtype, attention backend, KV page dtype) for the mesh's platform."""
     device = mesh.devices.flat[0]
     platform = device.platform
-    backend = config.attention_backend
-    if backend == "auto":
-        backend = "pallas" if platform in ("tpu", "gpu") else "xla"
+    backend = resolve_backend(config.attention_backend, platform)
     check_kv_cache_dtype(config.cache.kv_cache_dtype, backend, platform, getattr(device, "compute_capability", None))
     dtype, kv_dtype = resolve_dtypes(config, platform)
     return dtype, backend, kv_dtype
@@ -141,30 +121,33 @@ def load(config: EngineConfig, model, tokenizer, *, dtype, backend: str, mesh):
     return model, tokenizer
 
 
-def num_kv_blocks(config: EngineConfig, mesh, per_block: int, max_model_len: int,
-                  layout: KVCacheLayout | None = None) -> tuple[int, str]:
-    """Pool size and where it came from: ``num_kv_blocks``, else a byte budget
-    (``kv_cache_memory_bytes``, else the device's free memory x ``memory_utilization``, else on CPU
-    ``cpu_default_bytes``), never more than ``max_num_seqs`` sequences of ``max_model_len`` tokens
-    could use (windowed groups hold only their windows' blocks)."""
-    cc, sc = config.cache, config.scheduler
-    if cc.num_kv_blocks is not None:
-        return cc.num_kv_blocks, "num_kv_blocks"
-    if cc.kv_cache_memory_bytes is not None:
-        budget, source = cc.kv_cache_memory_bytes, "kv_cache_memory_bytes"
-    else:
-        stats = mesh.devices.flat[0].memory_stats() or {}
-        if "bytes_limit" in stats:
-            budget = int(stats["bytes_limit"] * cc.memory_utilization) - stats.get("bytes_in_use", 0)
-            source = f"memory_utilization={cc.memory_utilization}"
-        else:  # CPU: devices report no memory
-            budget, source = cc.cpu_default_bytes, "the CPU default"
-    per_seq = (layout.max_blocks_per_seq(max_model_len, cc.block_size, sc.max_num_batched_tokens) if layout
-               else cdiv(max_model_len, cc.block_size))
-    n = min(budget // per_block, sc.max_num_seqs * per_seq)
-    if n < 1:
-        raise ValueError(f"kv_cache_memory_bytes={budget}: too small for one KV block of {per_block} bytes")
-    return int(n), source
+def device_kv_budget(cache: CacheConfig, mesh) -> int | None:
+    """The bytes the mesh's first device leaves for the KV pool: its memory x ``memory_utilization``
+    less what is in use (the weights, once loaded); None when the device reports no memory (CPU)."""
+    stats = mesh.devices.flat[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"] * cache.memory_utilization) - stats.get("bytes_in_use", 0)
+
+
+def num_kv_blocks(cache: CacheConfig, max_num_seqs: int, *, per_block: int, per_seq: int,
+                  device_budget: int | None) -> tuple[int, str, int | None]:
+    """The KV pool's size in blocks, used by start-up and by the AOT tool alike: (blocks, where
+    that came from, the byte budget or None). ``num_kv_blocks`` as set, else a byte budget:
+    ``kv_cache_memory_bytes``, else ``device_budget`` (the device's memory at
+    ``memory_utilization`` less what is in use and, ahead of time, the step's temporaries), else on
+    the CPU (``device_budget`` None) ``cpu_default_bytes``; never more than ``max_num_seqs``
+    sequences of ``per_seq`` blocks each use. 0 when the budget holds no block of ``per_block``
+    bytes (start-up refuses that; the AOT tool reports it)."""
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks, "num_kv_blocks", None
+    if cache.kv_cache_memory_bytes is not None:
+        budget, source = cache.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+    elif device_budget is not None:
+        budget, source = device_budget, f"memory_utilization={cache.memory_utilization}"
+    else:  # CPU: devices report no memory
+        budget, source = cache.cpu_default_bytes, "the CPU default"
+    return int(max(0, min(budget // per_block, max_num_seqs * per_seq))), source, budget
 
 
 def fit_max_model_len(config: EngineConfig, max_model_len: int, num_blocks: int, source: str, per_block: int,
@@ -294,12 +277,16 @@ def build(config: EngineConfig, model=None, tokenizer=None, devices=None) -> Eng
                                             tensor_parallel_size=config.tensor_parallel_size)
                     for c, n in [(mc, layout.num_tensors)] + ([(draft.config, draft.config.num_layers)]
                                                               if draft is not None else []))  # a draft's pool: same blocks
-    num_blocks, source = num_kv_blocks(config, mesh, per_block, max_model_len, layout)
+    per_seq = layout.max_blocks_per_seq(max_model_len, cc.block_size, sc.max_num_batched_tokens)
+    num_blocks, source, budget = num_kv_blocks(cc, sc.max_num_seqs, per_block=per_block, per_seq=per_seq,
+                                               device_budget=device_kv_budget(cc, mesh))
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory_bytes={budget}: too small for one KV block of {per_block} bytes")
     max_model_len, max_model_len_note = fit_max_model_len(config, max_model_len, num_blocks, source, per_block,
                                                           layout)
     kv_name = jnp.dtype(kv_dtype).name
-    if jpaged_kernels.quant.is_quantized(kv_dtype):
-        kv_name += f" + {jnp.dtype(jpaged_kernels.SCALE_DTYPE).name} scales"
+    if pallas_kernels.quant.is_quantized(kv_dtype):
+        kv_name += f" + {jnp.dtype(pallas_kernels.SCALE_DTYPE).name} scales"
     logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB per device (%s); %s, %d bytes per token "
                 "per device; set num_kv_blocks or kv_cache_memory_bytes to change it", num_blocks, cc.block_size,
                 num_blocks * cc.block_size, num_blocks * per_block / 2**20, source, kv_name,

@@ -43,7 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
-from jpaged.engine.async_engine import (AdmissionError, AsyncLLMEngine, EngineError, QueueFullError,
+from jpaged.entrypoints.async_engine import (AdmissionError, AsyncLLMEngine, EngineError, QueueFullError,
                                        RequestAbortedError)
 from jpaged.agents.chat_output import ChatOutputStream, merge_delta, parse_chat_output
 from jpaged.agents.tools import constrained_params

@@ -100,7 +100,7 @@ def resolve_chat_template(chat_template: str | None) -> str | None:
 
 def app_from_options(options: dict):
     """Loads the engine (warm-up included) and returns the FastAPI app for `server_options`' settings."""
-    from jpaged.engine.async_engine import AsyncLLMEngine
+    from jpaged.entrypoints.async_engine import AsyncLLMEngine
     from jpaged.entrypoints.lora_adapters import parse_lora_modules
     from jpaged.entrypoints.openai_server import check_allowed_origins, create_app
 

@@ -31,6 +31,7 @@ from tunix.rl.rollout import base_rollout
 from jpaged import LLM, SamplingParams
 from jpaged.loading.model_loader import build_model
 from jpaged.models import ModelConfig
+from jpaged.utils import next_power_of_two
 
 # Tunix parameter path (layer index as {i}) -> (HF name, how the Tunix array becomes the HF one)
 _LAYER_PARAMS = {
@@ -129,10 +130,6 @@ def jpaged_config(model, max_model_len: int) -> ModelConfig:
     })
 
 
-def _next_power_of_2(x: int) -> int:
-    return 1 << max(0, x - 1).bit_length()
-
-
 def _int_seed(seed) -> int | None:
     """An int seed from RolloutConfig.seed (None, an int, or a JAX PRNG key)."""
     if seed is None or isinstance(seed, int):
@@ -196,7 +193,7 @@ class JpagedRollout(base_rollout.BaseRollout):
                 logprobs[row] = [float(getattr(lp, "logprob", lp)) for lp in lps]
         longest = max(len(ids) for ids in prompt_ids)
         width = rollout_config.max_prompt_length
-        width = width if width and width >= longest else _next_power_of_2(longest)
+        width = width if width and width >= longest else next_power_of_two(longest)
         padded = np.full((len(prompts), width), self.pad_id(), dtype=np.int32)
         for row, ids in enumerate(prompt_ids):
             padded[row, width - len(ids):] = ids

@@ -1,31 +1,31 @@
 """Named presets: a model plus engine settings, loaded by name.
 
-The presets ship inside the package (``jpaged/configs/*.json``, package data), so a name resolves
+The presets ship inside the package (``jpaged/presets/*.json``, package data), so a name resolves
 from any directory and in a non-editable install. ``"smollm2-135m-instruct"``,
-``"configs/smollm2-135m-instruct"`` and ``"smollm2-135m-instruct.json"`` name the same preset; the
+``"presets/smollm2-135m-instruct"`` and ``"smollm2-135m-instruct.json"`` name the same preset; the
 path of a ``.json`` file of one's own is a preset too.
 """
 import os
 
 from jpaged.utils import read_json
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+PRESET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "presets")
 
 
 def list_presets() -> list[str]:
-    if not os.path.isdir(CONFIG_DIR):
+    if not os.path.isdir(PRESET_DIR):
         return []
-    return sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".json"))
+    return sorted(f[:-5] for f in os.listdir(PRESET_DIR) if f.endswith(".json"))
 
 
 def load_preset(name: str) -> dict | None:
     """The preset's settings, or None when ``name`` is not a preset."""
     if name.endswith(".json") and os.path.isfile(name):
         return read_json(name)
-    base = name.removeprefix("configs/").removesuffix(".json")
+    base = name.removeprefix("presets/").removesuffix(".json")
     if not base or os.sep in base or "/" in base:
         return None
-    path = os.path.join(CONFIG_DIR, f"{base}.json")
+    path = os.path.join(PRESET_DIR, f"{base}.json")
     return read_json(path) if os.path.isfile(path) else None
 
 

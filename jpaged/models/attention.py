@@ -10,7 +10,7 @@ KV pool layout, per layer: ``k_pages`` and ``v_pages`` of shape
 offset ``s % block_size``. Heads lead so the pool shards on its first axis. With an 8-bit KV cache
 (``kv_cache_dtype`` "int8" or "fp8") a layer's cache is ``(k_pages, v_pages, kv_scales)``: int8 /
 float8_e4m3fn pages and one uint32 word per (slot, kv head) holding its bfloat16 K and V scales
-(`jpaged_kernels.quant`); the write quantizes and attention dequantizes, on every backend. The
+(`pallas_kernels.quant`); the write quantizes and attention dequantizes, on every backend. The
 cache tuple alone says which: a layer needs no setting of its own.
 
 A layer may have a ``sliding_window`` (a query at position p sees keys ``p - sliding_window < j
@@ -30,12 +30,12 @@ group reads.
 
 Backends:
 - ``xla`` (the CPU default): on a CPU with float32 pages, the C++ kernel
-  `jpaged_kernels.cpu.paged_attention` (decode rows and 16-token prompt chunks, each reading
-  its own blocks); elsewhere `jpaged_kernels.ragged_paged_attention_reference`, the package's one
+  `pallas_kernels.cpu.paged_attention` (decode rows and 16-token prompt chunks, each reading
+  its own blocks); elsewhere `pallas_kernels.ragged_paged_attention_reference`, the package's one
   jnp paged attention: decode rows and prefill chunks loop over their own blocks with an online
   softmax. Either way the work tracks each sequence's real context, and no extra metadata is needed.
 - ``pallas``: the Pallas kernels over the flat token batch (TPU/GPU; interpret mode elsewhere): the
-  decode kernel `jpaged_kernels.paged_attention` when every row of the step has one query
+  decode kernel `pallas_kernels.paged_attention` when every row of the step has one query
   (``decode_only``), the ragged kernel otherwise.
 """
 import dataclasses
@@ -46,10 +46,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import jpaged_kernels
+import pallas_kernels
 from jpaged import sharding
-from jpaged_kernels import cpu
-from jpaged_kernels.platform import target_platform
+from pallas_kernels import cpu
+from pallas_kernels.platform import target_platform
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -143,13 +143,13 @@ def xla_paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale, sl
     """The C++ CPU kernel where it runs (float32 pages, no sinks or chunks), else the jnp loops."""
     knobs = _set(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     if sinks is not None or attention_chunk is not None:
-        return jpaged_kernels.ragged_paged_attention_reference(
+        return pallas_kernels.ragged_paged_attention_reference(
             q, k_pages, v_pages, md.block_tables, md.seq_lens, md.query_start_loc, md.num_seqs, scale=scale,
             **_set(sinks=sinks, attention_chunk=attention_chunk), **knobs, **scales)
     if cpu.runs("paged_attention", q, k_pages, kv_scales=scales.get("kv_scales")):
         return cpu.paged_attention(q, k_pages, v_pages, md.block_tables, md.seq_lens, md.query_start_loc,
                                    md.num_seqs, scale=scale, **knobs).astype(q.dtype)
-    return jpaged_kernels.ragged_paged_attention_reference(
+    return pallas_kernels.ragged_paged_attention_reference(
         q, k_pages, v_pages, md.block_tables, md.seq_lens, md.query_start_loc, md.num_seqs, scale=scale,
         **knobs, **scales)
 
@@ -165,24 +165,37 @@ def pallas_paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale,
     if md.decode_only:  # token s is sequence s's one query; rows past num_seqs are padding
         t, s = q.shape[0], md.seq_lens.shape[0]
         q_rows = q[:s] if t >= s else jnp.pad(q, ((0, s - t), (0, 0), (0, 0)))
-        out = jpaged_kernels.paged_attention(q_rows, k_pages, v_pages, md.block_tables, md.seq_lens,
+        out = pallas_kernels.paged_attention(q_rows, k_pages, v_pages, md.block_tables, md.seq_lens,
                                              scale=scale, interpret=_interpret(), **scales)
         return out[:t] if s >= t else jnp.pad(out, ((0, t - s), (0, 0), (0, 0)))
-    return jpaged_kernels.ragged_paged_attention(q, k_pages, v_pages, md.block_tables, md.seq_lens,
+    return pallas_kernels.ragged_paged_attention(q, k_pages, v_pages, md.block_tables, md.seq_lens,
                                                  md.query_start_loc, md.num_seqs, scale=scale,
                                                  interpret=_interpret(), **scales)
 
 
 def pallas_write_kv(k_pages, v_pages, k_new, v_new, slot_mapping, **scales):
-    return jpaged_kernels.write_kv(k_pages, v_pages, k_new, v_new, slot_mapping, interpret=_interpret(),
+    return pallas_kernels.write_kv(k_pages, v_pages, k_new, v_new, slot_mapping, interpret=_interpret(),
                                    **scales)
 
 
 # name -> (write(k_pages, v_pages, k, v, slot_mapping, **scales), attend(q, k_pages, v_pages, md, *,
 # scale, sliding_window=None, logits_soft_cap=None, sinks=None, **scales)); ``scales`` is ``kv_scales=`` with
 # 8-bit pages, else empty.
-BACKENDS = {"xla": (jpaged_kernels.write_kv_reference, xla_paged_attention),
+BACKENDS = {"xla": (pallas_kernels.write_kv_reference, xla_paged_attention),
             "pallas": (pallas_write_kv, pallas_paged_attention)}
+
+
+def resolve_backend(backend: str, platform: str) -> str:
+    """The attention backend (a key of `BACKENDS`) for ``attention_backend`` (``"auto"``,
+    ``"pallas"`` or ``"xla"``) on ``platform``: ``"auto"`` is ``"pallas"`` on TPU and GPU, ``"xla"``
+    elsewhere. With `BACKENDS` this is the one place that picks the attention code; below it the
+    kernels only pick their lowering (Mosaic on TPU, Triton on GPU, interpret mode elsewhere) and
+    `xla_paged_attention` the C++ CPU kernel where `pallas_kernels.cpu.runs` says it serves."""
+    if backend == "auto":
+        return "pallas" if platform in ("tpu", "gpu") else "xla"
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r}: expected 'auto' or one of {sorted(BACKENDS)}")
+    return backend
 
 
 class PagedAttention(nnx.Module):
@@ -206,8 +219,8 @@ class PagedAttention(nnx.Module):
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         if backend not in BACKENDS:
             raise ValueError(f"attention backend {backend!r}: expected one of {sorted(BACKENDS)}")
-        jpaged_kernels.shapes.check_knobs(sliding_window, logits_soft_cap)
-        jpaged_kernels.shapes.check_attention_chunk(attention_chunk)
+        pallas_kernels.shapes.check_knobs(sliding_window, logits_soft_cap)
+        pallas_kernels.shapes.check_attention_chunk(attention_chunk)
         if attention_chunk is not None and backend != "xla":
             raise ValueError(f"attention_chunk_size={attention_chunk}: chunked attention runs on the xla attention "
                              f"backend only (attention_backend={backend!r})")
@@ -224,7 +237,7 @@ class PagedAttention(nnx.Module):
             knobs["attention_chunk"] = self.attention_chunk
 
         def write_and_attend(q, k, v, kv_cache, md, *sink):
-            scales_of = jpaged_kernels.quant.scales_of
+            scales_of = pallas_kernels.quant.scales_of
             kv_cache = tuple(write(*kv_cache[:2], k, v, md.slot_mapping, **scales_of(kv_cache)))
             extra = {"sinks": sink[0]} if sink else {}
             return attend(q, *kv_cache[:2], md, scale=self.scale, **knobs, **extra, **scales_of(kv_cache)), kv_cache

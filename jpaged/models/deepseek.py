@@ -6,7 +6,7 @@ normed ``kv_lora_rank`` compression of the hidden state, ``k_pe`` the ``qk_rope_
 shared by all heads. The up-projection ``kv_b_proj`` (per head: ``W_UK [nope, R]`` and ``W_UV [v,
 R]``) is absorbed: each head's no-rope query becomes ``q_nope @ W_UK`` in the latent space, so a
 score is ``[q_nope @ W_UK, q_pe] . [c_kv, k_pe]``, and the head's output is ``W_UV`` applied to
-the softmax-weighted sum of ``c_kv``. The kernel (`jpaged_kernels.paged_mla`) thus reads each
+the softmax-weighted sum of ``c_kv``. The kernel (`pallas_kernels.paged_mla`) thus reads each
 latent page once for every head, and the pool holds ``kv_lora_rank + qk_rope_head_dim`` values
 per token and layer (576 for V3) instead of ``2 * heads * head_dim``. Prefill runs the same
 absorbed attention (one kernel, one cache format).
@@ -38,7 +38,7 @@ from jpaged.models.llama import LlamaForCausalLM, LlamaMLP
 from jpaged.models.model_config import ModelConfig, latent_row_width
 from jpaged.models.moe import SparseMoE
 from jpaged.models.quantized import QuantizedLinear
-from jpaged_kernels import paged_mla
+from pallas_kernels import paged_mla
 
 LATENT_NORM_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm use their default eps
 ROUTING = {"deepseek_v3": ("noaux_tc",), "deepseek_v2": ("greedy", "group_limited_greedy")}
@@ -103,7 +103,7 @@ def deinterleave(x):
 class PagedMLA(PagedAttention):
     """Writes this step's latent rows into the latent pool and attends through it.
 
-    Call with ``q [T, H, W]`` (latent-space queries, `jpaged_kernels.paged_mla`), ``latent [T,
+    Call with ``q [T, H, W]`` (latent-space queries, `pallas_kernels.paged_mla`), ``latent [T,
     W]``, this layer's ``(k_pages, v_pages)`` (the rows' halves) and the step's metadata; returns
     ``[T, H, kv_lora_rank]`` and the updated cache. A `PagedAttention` without a window, so the
     engine's KV-cache layout sees one full-attention layer."""

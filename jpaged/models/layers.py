@@ -8,7 +8,7 @@ import numpy as np
 from flax import nnx
 
 from jpaged.models.model_config import ModelConfig
-from jpaged_kernels import cpu
+from pallas_kernels import cpu
 
 ACTIVATIONS = {
     "relu": jax.nn.relu,
@@ -71,8 +71,8 @@ def soft_cap(x, cap: float | None):
 
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
     """`jax.lax.dot_general` for the `linear` layers, except that a float32 ``[M, K] @ [K, N]`` with
-    few rows where `jpaged_kernels.cpu.runs` says so (a decode step, or the logits of a step's
-    sampled rows) runs the C++ `jpaged_kernels.cpu.matmul`, which streams the weight once."""
+    few rows where `pallas_kernels.cpu.runs` says so (a decode step, or the logits of a step's
+    sampled rows) runs the C++ `pallas_kernels.cpu.matmul`, which streams the weight once."""
     ((lhs_contract, rhs_contract), batch) = dimension_numbers
     if (lhs_contract == (1,) and rhs_contract == (0,) and batch == ((), ())
             and preferred_element_type in (None, jnp.float32) and kwargs.get("out_sharding") is None
@@ -115,7 +115,7 @@ def run_layers(layers, x, kv_caches, *args, kv_layout=None):
 
 def tied_or_head_logits(embed: nnx.Embed, lm_head, hidden):
     """float32 logits from ``lm_head``, or from the embedding table when the two are tied (None;
-    the C++ `jpaged_kernels.cpu.matmul_t` where `jpaged_kernels.cpu.runs` says so)."""
+    the C++ `pallas_kernels.cpu.matmul_t` where `pallas_kernels.cpu.runs` says so)."""
     if lm_head is None:
         table = embed.embedding[...]
         if hidden.ndim == 2 and cpu.runs("matmul_t", hidden, table):

@@ -28,7 +28,7 @@ from jax import lax
 
 from jpaged import sharding
 from jpaged.models.layers import activation
-from jpaged_kernels.platform import target_platform
+from pallas_kernels.platform import target_platform
 
 ROW_TILE = 64  # rows per matmul of the CPU grouped matmul (a run shorter than this is one tile)
 

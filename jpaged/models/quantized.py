@@ -116,7 +116,7 @@ def dequantize_blocks(kind: str, qweight, scales, mins=None, dtype=jnp.float32):
     return w.reshape(-1, *w.shape[2:]).astype(dtype)
 
 
-class _GGUFBlocks(nnx.Module):
+class GGUFBlockParams(nnx.Module):
     """Storage shared by `GGUFLinear` and `GGUFEmbed`: ``kind`` (Q8_0 / Q4_0 / Q4_1), ``qweight``,
     ``scales`` and, for Q4_1, ``mins`` (None otherwise), laid out as the module docstring says."""
 
@@ -142,7 +142,7 @@ class _GGUFBlocks(nnx.Module):
         return dequantize_blocks(self.kind, q, s, m, dtype)
 
 
-class GGUFLinear(_GGUFBlocks):
+class GGUFLinear(GGUFBlockParams):
     """``y = x @ W + bias`` with ``W [in, out]`` kept in GGUF blocks along ``in``."""
 
     def __init__(self, kind: str, qweight, scales, mins=None, bias: nnx.Param | None = None):
@@ -154,7 +154,7 @@ class GGUFLinear(_GGUFBlocks):
         return y if self.bias is None else y + self.bias[...]
 
 
-class GGUFEmbed(_GGUFBlocks):
+class GGUFEmbed(GGUFBlockParams):
     """A token table kept in GGUF blocks along ``hidden`` (stored as ``[hidden, vocab]`` blocks, the
     layout of a linear from hidden to vocab): rows are looked up by column, ``attend`` is the matmul."""
 

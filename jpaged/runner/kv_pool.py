@@ -1,8 +1,8 @@
 """The device KV pool and its host swap buffer, with the block moves a step asks for.
 
 A layer's cache is a tuple of pool arrays that all lead with ``[num_kv_heads, ...]``: ``(k_pages,
-v_pages)``, or with 8-bit pages ``(k_pages, v_pages, kv_scales)`` (`jpaged_kernels.pool`). Block
-moves go through `jpaged_kernels.pool`, so scale words always travel with their pages. The pool is
+v_pages)``, or with 8-bit pages ``(k_pages, v_pages, kv_scales)`` (`pallas_kernels.pool`). Block
+moves go through `pallas_kernels.pool`, so scale words always travel with their pages. The pool is
 split over the mesh's ``model`` axis on its head axis (tensor parallelism).
 
 Moves: copy-on-write copies (``copy_blocks``, one batched call per step), and swapping between
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jpaged_kernels
+import pallas_kernels
 from jpaged import sharding
 from jpaged.runner.compile_counter import CompileCounter
 from jpaged.utils import padded_ids
@@ -49,19 +49,19 @@ def jit_transfers(mesh, pool_shardings=None):
 def _gather_blocks(kv_caches, blocks):
     """The blocks of every layer: one [L, Hkv, len(blocks), block_size, ...] array per pool array
     of a layer (K and V pages, then scale words)."""
-    per_layer = [jpaged_kernels.pool.take_blocks(layer, blocks) for layer in kv_caches]
+    per_layer = [pallas_kernels.pool.take_blocks(layer, blocks) for layer in kv_caches]
     return tuple(jnp.stack(arrays) for arrays in zip(*per_layer))
 
 
 def _scatter_blocks(kv_caches, blocks, data):
     """Writes `_gather_blocks`'s ``data`` into ``blocks`` (negative ids: dropped)."""
-    return [jpaged_kernels.pool.put_blocks(layer, blocks, tuple(d[i] for d in data))
+    return [pallas_kernels.pool.put_blocks(layer, blocks, tuple(d[i] for d in data))
             for i, layer in enumerate(kv_caches)]
 
 
 def _copy_blocks(kv_caches, src, dst):
     def copy(layer, src, dst):
-        return jpaged_kernels.copy_blocks(*layer[:2], src, dst, **jpaged_kernels.quant.scales_of(layer))
+        return pallas_kernels.copy_blocks(*layer[:2], src, dst, **pallas_kernels.quant.scales_of(layer))
 
     if sharding.model_axis_size() > 1:  # the kernel copies each device's slice of the blocks
         copy = sharding.shard_heads(copy, (sharding.POOL, sharding.REPLICATED, sharding.REPLICATED),
@@ -74,7 +74,7 @@ def bytes_per_block(*, num_layers: int, num_kv_heads: int, head_dim: int, block_
     """Bytes of one block of every layer on one device (its heads' slice, at least one head),
     scales of 8-bit pages included."""
     heads_per_device = max(1, num_kv_heads // tensor_parallel_size)
-    return 2 * num_layers * heads_per_device * block_size * jpaged_kernels.quant.bytes_per_row(head_dim, dtype)
+    return 2 * num_layers * heads_per_device * block_size * pallas_kernels.quant.bytes_per_row(head_dim, dtype)
 
 
 class KVPool:
@@ -93,7 +93,7 @@ class KVPool:
 
     def array_specs(self) -> list[tuple[tuple, object]]:
         """(shape, dtype) of each array of one layer's cache."""
-        return jpaged_kernels.pool.layer_arrays(*self.shape, self.dtype)
+        return pallas_kernels.pool.layer_arrays(*self.shape, self.dtype)
 
     def shardings(self):
         """The sharding and row-major layout (`sharding.kv_pool_format`) of each array of every layer

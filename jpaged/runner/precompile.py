@@ -5,7 +5,7 @@ A step's shapes depend only on its token count, sampled rows and sampling option
 (layer pieces) one step per token bucket, then the logits and sampler of each row count; a whole-step
 runner (TPU/GPU) compiles each token bucket with each of its row buckets, greedy and sampled, and on
 the pallas backend the decode-only step of each decode bucket too (it runs the decode kernel). The
-same plan is what `jpaged.engine.aot` compiles for a target without one. With speculative decoding
+same plan is what `jpaged.entrypoints.aot` compiles for a target without one. With speculative decoding
 a step samples up to ``max_num_seqs * (1 + num_speculative_tokens)`` rows
 (`StepBuckets.max_num_rows`): the row buckets past ``max_num_seqs`` are verification steps, and a
 draft model's calls compile with the steps they follow. With prefix-cache tiers, the pool's block

@@ -25,7 +25,7 @@ import numpy as np
 
 from jpaged.sample.sampling_batch import SamplingBatch
 from jpaged.utils import bucket, pad_rows, padded_ids
-from jpaged_kernels import cpu
+from pallas_kernels import cpu
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -189,7 +189,7 @@ def argmax(x):
 
 
 def greedy_reductions(logits):
-    """(`argmax`, log-sum-exp) of every row: on a CPU, in one C++ call (`jpaged_kernels.cpu.greedy`) that
+    """(`argmax`, log-sum-exp) of every row: on a CPU, in one C++ call (`pallas_kernels.cpu.greedy`) that
     reads each row while it is in the cache, not XLA's several passes over the whole batch (a row
     with a NaN gives the last index there)."""
     if cpu.runs("greedy", logits):

@@ -215,9 +215,3 @@ def probe(grammar: Grammar, tokenizer) -> str | None:
             return None if state.matcher.is_accepting() else "no token is allowed"
         state.matcher.consume_token(allowed[0])
     return state.error
-
-
-def clear_cache() -> None:
-    with _lock:
-        _grammars.clear()
-        _tokenizers.clear()
