@@ -206,7 +206,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig, metadata={
         "help": "Continuous batching limits", "group": "scheduler"})
     compilation_cache_dir: str | None = field(default=None, metadata={
-        "help": "JAX's persistent compilation cache directory; unset: ~/.cache/jpaged/jax"})
+        "help": "JAX's persistent compilation cache directory; unset: ~/.cache/jpaged/jax/<host key> (jaxlib version and processor)"})
     quantization: str | None = field(default=None, metadata={
         "help": "Weight-only quantization: int8 per output channel (made at load time, any checkpoint), or "
                 "gguf (a .gguf file's Q8_0/Q4_0/Q4_1 blocks kept as stored); unset: weights as loaded",

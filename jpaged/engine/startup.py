@@ -9,13 +9,16 @@ from ``num_kv_blocks`` or a byte budget; then the KV cache manager, the schedule
 runner are built and the step shapes compiled.
 """
 import dataclasses
+import hashlib
 import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import pallas_kernels
+from pallas_kernels.cpu.library import cpu_id
 from jpaged import sharding
 from jpaged.config import DTYPES, CacheConfig, EngineConfig, check_kv_cache_dtype
 from jpaged.core.hybrid_kv_cache_manager import HybridKVCacheManager
@@ -62,15 +65,28 @@ MIN_CACHED_COMPILE_SECONDS = 0.05  # JAX's default (1 s) would leave most CPU ex
 JAX_DEFAULT_MIN_COMPILE_SECONDS = 1.0
 
 
+def host_key() -> str:
+    """What a compiled executable depends on beyond its program: jaxlib's version and the host's
+    processor (model and feature flags). XLA:CPU compiles for the processor it runs on, and JAX's
+    cache key knows neither, so a home directory shared by machines of different processors (NFS,
+    a CI cache carried from machine to machine) must not share cached executables."""
+    text = "\n".join([jax.lib.__version__, os.uname().machine, cpu_id()])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def default_compilation_cache_dir() -> str:
+    """``~/.cache/jpaged/jax/<host_key>``."""
+    return os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "jax", host_key())
+
+
 def enable_compilation_cache(path: str | None) -> None:
     """JAX's persistent compilation cache, so a second start compiles nothing: its directory (a
     process-wide JAX setting, left alone when the application set one, e.g. with
-    ``JAX_COMPILATION_CACHE_DIR``) and the shortest compile it keeps, unless the application set that
-    (``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``). It must be set before the process's first
-    compile: JAX decides once whether a process uses the cache."""
+    ``JAX_COMPILATION_CACHE_DIR``; by default one per `host_key`) and the shortest compile it keeps,
+    unless the application set that (``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``). It must be set
+    before the process's first compile: JAX decides once whether a process uses the cache."""
     if not jax.config.jax_compilation_cache_dir:
-        path = path or os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "jax")
-        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_compilation_cache_dir", path or default_compilation_cache_dir())
     if ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ
             and jax.config.jax_persistent_cache_min_compile_time_secs == JAX_DEFAULT_MIN_COMPILE_SECONDS):
         jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_CACHED_COMPILE_SECONDS)
@@ -122,12 +138,22 @@ def load(config: EngineConfig, model, tokenizer, *, dtype, backend: str, mesh):
 
 
 def device_kv_budget(cache: CacheConfig, mesh) -> int | None:
-    """The bytes the mesh's first device leaves for the KV pool: its memory x ``memory_utilization``
-    less what is in use (the weights, once loaded); None when the device reports no memory (CPU)."""
-    stats = mesh.devices.flat[0].memory_stats() or {}
-    if "bytes_limit" not in stats:
-        return None
-    return int(stats["bytes_limit"] * cache.memory_utilization) - stats.get("bytes_in_use", 0)
+    """The bytes a device of the mesh leaves for the KV pool: its memory x ``memory_utilization``
+    less what is in use (the weights, once loaded); None when the device reports no memory (CPU).
+    Each process can only read its own devices, so with several processes (one engine across
+    hosts) each reads its first device and all take the smallest budget: every process must size
+    the same pool."""
+    local = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+    stats = local.memory_stats() or {}
+    budget = (int(stats["bytes_limit"] * cache.memory_utilization) - stats.get("bytes_in_use", 0)
+              if "bytes_limit" in stats else None)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        unknown = np.iinfo(np.int64).max  # sent as its 8 bytes: without x64 JAX would narrow an int64
+        mine = np.array([unknown if budget is None else budget], np.int64).view(np.uint8)
+        budgets = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 8).copy().view(np.int64)
+        budget = None if (budgets == unknown).any() else int(budgets.min())
+    return budget
 
 
 def num_kv_blocks(cache: CacheConfig, max_num_seqs: int, *, per_block: int, per_seq: int,

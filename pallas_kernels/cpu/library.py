@@ -37,12 +37,13 @@ def compiler() -> str | None:
 
 
 def cpu_id() -> str:
-    """The CPU's feature flags (what ``-march=native`` compiles for)."""
+    """The CPU's model name and feature flags (what ``-march=native`` compiles for)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
+            lines = f.read().splitlines()
     except OSError:
         return platform.processor()
+    return "".join(next((line for line in lines if line.startswith(key)), "") for key in ("model name", "flags"))
 
 
 def library_key(cxx: str) -> str:

@@ -191,3 +191,19 @@ def test_cache_directory_set_by_the_application_still_keeps_short_compiles(tmp_p
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "2"  # the application's own floor stays
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.stdout.split() == [str(tmp_path / "app"), "2.0"], out.stderr[-2000:]
+
+
+def test_default_cache_directory_is_one_per_processor(monkeypatch):
+    """XLA:CPU compiles for the processor it runs on and JAX's cache key does not name it: machines
+    of different processors sharing a home directory get a cache directory each."""
+    import os
+
+    from jpaged.engine import startup
+
+    monkeypatch.setattr(startup, "cpu_id", lambda: "model name: A\nflags: fpu avx2")
+    a = startup.default_compilation_cache_dir()
+    monkeypatch.setattr(startup, "cpu_id", lambda: "model name: B\nflags: fpu avx2 avx512f")
+    b = startup.default_compilation_cache_dir()
+    root = os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "jax")
+    assert a != b and os.path.dirname(a) == os.path.dirname(b) == root
+    assert len(os.path.basename(a)) == 16
