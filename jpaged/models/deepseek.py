@@ -23,7 +23,6 @@ the best ``topk_group`` of ``n_group`` kept, top-k by biased score, weights the 
 renormalized with ``norm_topk_prob``), V2's softmax ``greedy`` / ``group_limited_greedy``; weights
 times ``routed_scaling_factor``.
 """
-import math
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +32,7 @@ from jax import lax
 
 from jpaged import sharding
 from jpaged.models.attention import BACKENDS, AttentionMetadata, PagedAttention, _interpret
-from jpaged.models.layers import RMSNorm, apply_rope, linear, project, rope_cos_sin
+from jpaged.models.layers import RMSNorm, apply_rope, linear, project, rope_cos_sin, yarn_frequencies, yarn_mscale
 from jpaged.models.llama import LlamaForCausalLM, LlamaMLP
 from jpaged.models.model_config import ModelConfig, latent_row_width
 from jpaged.models.moe import SparseMoE
@@ -53,10 +52,6 @@ def _topk_method(c: ModelConfig) -> str:
     return _text(c).get("topk_method") or ROUTING[c.model_type][0]
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
 def rope_parameters(c: ModelConfig) -> tuple[np.ndarray, float, float]:
     """(inverse frequencies [qk_rope_head_dim / 2], the cos/sin factor, the softmax-scale factor)
     of the rope dims: the default frequencies, or YaRN's blend of interpolated and extrapolated
@@ -71,26 +66,9 @@ def rope_parameters(c: ModelConfig) -> tuple[np.ndarray, float, float]:
     original = rope.get("original_max_position_embeddings") or c.max_position_embeddings
     if factor is None:
         factor = c.max_position_embeddings / original
-    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
-    attention_factor = rope.get("attention_factor")
-    if attention_factor is None:
-        attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-                            if mscale and mscale_all_dim else _yarn_mscale(factor))
-    beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
-
-    def correction_dim(rotations):
-        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if rope.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
-    extrapolation = (1 - ramp).astype(np.float32)
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    softmax_factor = _yarn_mscale(factor, mscale_all_dim) ** 2 if mscale_all_dim else 1.0
+    inv_freq, attention_factor = yarn_frequencies(rope, dim, base, original, factor)
+    mscale_all_dim = rope.get("mscale_all_dim")
+    softmax_factor = yarn_mscale(factor, mscale_all_dim) ** 2 if mscale_all_dim else 1.0
     return inv_freq.astype(np.float32), float(attention_factor), float(softmax_factor)
 
 

@@ -149,24 +149,21 @@ def rope_inv_freq(config: ModelConfig, local: bool = False) -> np.ndarray:
     raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3 are)")
 
 
-def yarn_rope(config: ModelConfig) -> tuple[np.ndarray, float]:
-    """(inverse frequencies, attention factor) of YaRN rope scaling as transformers computes them
-    (``rope_scaling`` / ``rope_parameters`` with ``rope_type: yarn``): frequencies interpolated by
-    ``factor`` below the ``beta_slow .. beta_fast`` rotation band and kept above it, and cos/sin
-    scaled by the attention factor (``0.1 * ln(factor) + 1`` unless the config gives one)."""
-    scaling = config.rope_scaling or {}
-    dim, base = config.head_dim, config.rope_theta
-    factor = scaling.get("factor")
-    original = scaling.get("original_max_position_embeddings")
-    if original is None:
-        raise ValueError("rope_scaling.original_max_position_embeddings: YaRN needs it")
-    factor = factor or config.max_position_embeddings / original
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude factor ``0.1 * mscale * ln(scale) + 1`` (1 when the context is not stretched)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_frequencies(scaling: dict, dim: int, base: float, original: int, factor: float) -> tuple[np.ndarray, float]:
+    """(inverse frequencies [dim / 2], attention factor) of YaRN rope scaling as transformers computes
+    them: frequencies interpolated by ``factor`` below the ``beta_slow .. beta_fast`` rotation band
+    and kept above it (``original``: the pre-training context), and cos/sin scaled by the attention
+    factor (``0.1 * ln(factor) + 1``, or the ``mscale`` / ``mscale_all_dim`` ratio, unless the
+    scaling gives one)."""
     attention_factor = scaling.get("attention_factor")
     if attention_factor is None:
-        def mscale(scale, m=1.0):
-            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
         m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        attention_factor = yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
     beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
 
     def correction_dim(rotations):
@@ -179,10 +176,21 @@ def yarn_rope(config: ModelConfig) -> tuple[np.ndarray, float]:
     if low == high:
         high += 0.001
     pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim)
-    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
-    extrapolation = 1 - ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
+    extrapolation = (1 - ramp).astype(np.float32)
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     return inv_freq.astype(np.float32), float(attention_factor)
+
+
+def yarn_rope(config: ModelConfig) -> tuple[np.ndarray, float]:
+    """`yarn_frequencies` of a config's ``rope_scaling`` / ``rope_parameters`` (``rope_type: yarn``)
+    over its whole head_dim."""
+    scaling = config.rope_scaling or {}
+    original = scaling.get("original_max_position_embeddings")
+    if original is None:
+        raise ValueError("rope_scaling.original_max_position_embeddings: YaRN needs it")
+    factor = scaling.get("factor") or config.max_position_embeddings / original
+    return yarn_frequencies(scaling, config.head_dim, config.rope_theta, original, factor)
 
 
 def rope_cos_sin(inv_freq, positions):
