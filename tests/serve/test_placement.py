@@ -6,6 +6,7 @@ import importlib
 
 import pytest
 
+ray = pytest.importorskip("ray")
 tpu = pytest.importorskip("ray.util.tpu")
 ray_placement_group = importlib.import_module("ray.util.placement_group")  # the module (ray.util's name is a function)
 
@@ -34,6 +35,7 @@ def ray_calls(monkeypatch):
         calls["heads"].append(head)
         return "slice-a", head
 
+    monkeypatch.setattr("ray._private.auto_init_hook.enable_auto_connect", False)  # no local Ray started for it
     monkeypatch.setattr(tpu, "placement_group", placement_group)
     monkeypatch.setattr(tpu, "reserve_tpu_slice", reserve_tpu_slice)
     monkeypatch.setattr(tpu, "remove_placement_group", calls["removed"].append)
@@ -61,6 +63,7 @@ def test_slice_reservation_is_the_request_ray_makes(ray_calls):
         "bundle_label_selector": [{TPU_WORKER_ID_LABEL: str(i), "ray.io/tpu-slice-name": "slice-a"} for i in range(4)]}
     reserved.release()
     assert ray_calls["removed"] == [group, head]
+    assert not ray.is_initialized()
 
 
 def test_cpu_and_gpu_hosts_are_plain_bundles(ray_calls):
