@@ -10,9 +10,24 @@ with ``extra_body``). Chat takes OpenAI's ``tools``, ``tool_choice`` and ``paral
 """
 from typing import Any
 
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictInt
 
 from jpaged.sampling_params import SamplingParams, StructuredOutputsParams
+
+
+class APIError(Exception):
+    """A request the server refuses: its HTTP status and OpenAI error body fields."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param=None, code=None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+
+def error_response(status: int, message: str, type: str = "invalid_request_error", param=None, code=None):
+    """An OpenAI error body with ``status``."""
+    return JSONResponse({"error": {"message": message, "type": type, "param": param, "code": code}},
+                        status_code=status)
 
 
 class StreamOptions(BaseModel):

@@ -58,7 +58,7 @@ def leader_engine(options: dict):
     """Process 0's engine (built with the followers' at the same time), sending their calls."""
     import jax
 
-    from jpaged.entrypoints.serve import engine_from_options
+    from jpaged.entrypoints.server_app import engine_from_options
     from jpaged.serve.call_channel import LeaderChannel, coordination_client
     from jpaged.serve.mirrored_engine import LeaderEngine
 
@@ -74,7 +74,7 @@ class Follower:
     def __init__(self, options: dict):
         import jax
 
-        from jpaged.entrypoints.serve import engine_from_options
+        from jpaged.entrypoints.server_app import engine_from_options
         from jpaged.serve.call_channel import FollowerChannel, coordination_client
 
         self.engine = engine_from_options(mesh_options(options))
@@ -102,7 +102,7 @@ def run_process(options: dict, *, coordinator: str, num_processes: int, process_
     its own SIGTERM). Both leave `jax.distributed` at the end."""
     import jax
 
-    from jpaged.entrypoints.serve import app_from_options, draining_server
+    from jpaged.entrypoints.server_app import app_from_options, draining_server
 
     for name, value in (("coordinator_address", coordinator), ("num_processes", num_processes),
                         ("process_id", process_id)):
@@ -113,7 +113,8 @@ def run_process(options: dict, *, coordinator: str, num_processes: int, process_
         if process_id == 0:
             leader = leader_engine(options)
             try:
-                draining_server(app_from_options(options, leader), host=host, port=port, log_level=log_level).run()
+                draining_server(app_from_options(options, leader), shutdown_timeout=options.get("shutdown_timeout", 10.0),
+                                host=host, port=port, log_level=log_level).run()
             finally:
                 leader.close()
         else:

@@ -98,7 +98,7 @@ class GatewayDeployment:
     """The HTTP front (Serve's ingress): a `Gateway` over the replica deployments' handles."""
 
     def __init__(self, *handles, options: dict, routing: str, poll_interval: float):
-        from jpaged.entrypoints.serve import resolve_chat_template
+        from jpaged.entrypoints.server_app import resolve_chat_template
 
         clients = [RayReplicaClient(f"replica-{i}", h) for i, h in enumerate(handles)]
         self.gateway = Gateway(clients, Router([c.name for c in clients], routing),
@@ -183,7 +183,7 @@ def run(options: dict, *, host: str, port: int, address: str | None = None, read
 
     import ray
 
-    from jpaged.entrypoints.serve import served_name
+    from jpaged.entrypoints.server_app import served_name
     from jpaged.logger import logger
 
     app = build_app(options, **app_kwargs)  # bad arguments fail before Ray starts

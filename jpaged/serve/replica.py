@@ -22,7 +22,7 @@ class EngineReplicaServer:
     """The server ``app_from_options(options, engine)`` builds, answering forwarded requests."""
 
     def __init__(self, options: dict, engine=None):
-        from jpaged.entrypoints.serve import app_from_options
+        from jpaged.entrypoints.server_app import app_from_options
 
         self.app = app_from_options(options, engine)
         self.engine = self.app.state.serving.engine  # the AsyncLLMEngine
