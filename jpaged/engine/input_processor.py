@@ -182,10 +182,9 @@ class InputProcessor:
         cache_salt = cache_salt if cache_salt is not None else salt
         if params.prompt_logprobs is not None:  # cached blocks are never run: skip the cache
             cache_salt = f"{cache_salt}/prompt_logprobs/{request_id}"
-        if lora_request is not None:  # blocks computed under one adapter are never another's, nor,
-            # on the disk tier, those of an adapter loaded under the same name by another process
-            cache_salt = (f"{cache_salt}/lora/{lora_request.lora_int_id}/{lora_request.lora_name}/"
-                          f"{_PROCESS_NONCE}")
+        if lora_request is not None:  # blocks computed under one adapter (or under its replaced
+            # factors) are never another's, nor, on the disk tier, those of another process's adapter
+            cache_salt = f"{cache_salt}/lora/{lora.cache_key(lora_request)}/{_PROCESS_NONCE}"
         request = Request(str(request_id), text, token_ids, params, eos_token_ids=self.eos_token_ids,
                           cache_salt=cache_salt, beam=beam, grammar=grammar, bad_word_ids=bad_word_ids,
                           lora_request=lora_request)

@@ -226,6 +226,26 @@ class LLMEngine:
         self.weights_version += 1
         self.kv_cache.set_weights_version(self.weights_version)
 
+    def update_lora(self, lora_request, tensors: dict, config: dict) -> None:
+        """Serves a LoRA adapter given in memory (a trainer's): ``tensors`` ``{PEFT tensor name:
+        array}`` and ``config`` the fields of ``adapter_config.json``, checked as a PEFT directory's
+        are (`jpaged.lora.peft_adapter`); ``lora_request.lora_path`` only names it. The first call
+        registers it; a later one with the same request replaces its factors: the device slot
+        holding the old ones is rewritten in place now (`DeviceSlotWriter`, nothing compiles; an
+        asleep engine forgets the slot and writes it at the adapter's next use), and prefix-cache
+        blocks computed under them never match again (the factors' version is in the key). Refused
+        while requests are in flight unless the engine is paused (they go on with the new factors)."""
+        self.check_idle("update_lora", allow_paused=True)
+        if self.lora is None:
+            raise ValueError("lora_request: this engine serves no adapters (start it with enable_lora=True)")
+        slot = self.lora.update(lora_request, tensors, config)
+        if slot is None:
+            return
+        if self.sleep_level:
+            self.lora.slots.forget_slot(slot)
+        else:
+            self.runner.write_lora_slots([(slot, lora_request)])
+
     def sleep(self, level: int = 1) -> None:
         """Frees the device: level 1 frees the KV pool and moves the weights to host memory, level 2
         drops the weights too (`update_weights` brings new ones). Requests are refused until

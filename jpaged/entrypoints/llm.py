@@ -157,6 +157,14 @@ class LLM:
         with self._lock:
             self.llm_engine.update_weights(weights, draft_weights=draft_weights)
 
+    def update_lora(self, lora_request, tensors: dict, config: dict) -> None:
+        """Serves (first call) or replaces (later calls, same request) a LoRA adapter given in
+        memory: ``tensors`` ``{PEFT tensor name: array}``, ``config`` the fields of PEFT's
+        ``adapter_config.json`` (`LLMEngine.update_lora`). Its device slot is rewritten in place and
+        nothing compiles; the prefix cache never serves blocks of its old factors."""
+        with self._lock:
+            self.llm_engine.update_lora(lora_request, tensors, config)
+
     def sleep(self, level: int = 1) -> None:
         """Frees the KV pool and moves the weights to host memory (level 2: drops them)."""
         with self._lock:
@@ -167,11 +175,12 @@ class LLM:
         with self._lock:
             self.llm_engine.wake_up()
 
-    def score(self, prompt_token_ids, completion_token_ids, use_tqdm: bool = False):
+    def score(self, prompt_token_ids, completion_token_ids, use_tqdm: bool = False, lora_request=None):
         """The log-probability of each completion token given the prompt and the completion tokens
         before it, under the current weights (the model's raw distribution): a list of floats, or
         one per pair when both arguments are lists of token lists. One prefill per pair, batched;
-        the prefix cache is not read."""
+        the prefix cache is not read. ``lora_request``: the adapter to score under (one for every
+        pair, or one (or None) per pair)."""
         single = bool(prompt_token_ids) and all(isinstance(t, int) for t in prompt_token_ids)
         prompts, completions = ([prompt_token_ids], [completion_token_ids]) if single else (
             list(prompt_token_ids), list(completion_token_ids))
@@ -183,7 +192,7 @@ class LLM:
                     raise ValueError(f"{name}[{i}]: expected a non-empty list of token ids")
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, ignore_eos=True)
         outputs = self._generate([list(p) + list(c) for p, c in zip(prompts, completions)],
-                                 [params] * len(prompts), use_tqdm)
+                                 [params] * len(prompts), use_tqdm, lora_request)
         scores = [[next(iter(entry.values())) for entry in out.prompt_logprobs[len(p):]]
                   for out, p in zip(outputs, prompts)]
         return scores[0] if single else scores

@@ -11,6 +11,11 @@ dense ``Qwen3``; Gemma and the mixture-of-experts Qwen3 are not mapped). The eng
 same devices as the trainer: on an accelerator its KV pool takes ``memory_utilization`` of the
 device's memory minus what is already in use (the trainer's arrays), so the trainer keeps the rest.
 
+A LoRA policy (qwix ``LoraProvider``: ``nnx.LoRAParam`` factors beside the frozen weights) is served
+as the base weights plus one in-memory adapter (`jpaged.integrations.qwix_lora`), which every
+``generate`` and ``get_per_token_logps`` runs under; Tunix's LoRA-only weight sync
+(``update_params(lora_state, (nnx.LoRAParam,))``) rewrites that adapter's device slot in place.
+
 Behaviour follows Tunix's vanilla rollout: a prompt is ``bos + encode(text)``; ``top_p=None`` (or
 ``temperature=0``) is greedy; a completion stops at ``eos_tokens`` (default: the tokenizer's eos),
 and its tokens exclude that eos; prompts are left-padded to ``max_prompt_length`` (to the next
@@ -20,7 +25,6 @@ copies) become one request with ``n`` samples, which share the prompt's KV block
 This module imports Tunix; it runs in the Tunix venv of ``scripts/setup_tunix.sh``.
 """
 import inspect
-import re
 
 import jax
 import jax.numpy as jnp
@@ -28,34 +32,14 @@ import numpy as np
 from flax import nnx
 from tunix.rl.rollout import base_rollout
 
-from jpaged import LLM, SamplingParams
+from jpaged import LLM, LoRARequest, SamplingParams
+from jpaged.integrations.qwix_lora import lora_factors, module_rank_alpha, qwix_lora_rules, qwix_lora_to_peft
+from jpaged.integrations.tunix_params import is_lora_factor, tunix_to_hf
 from jpaged.loading.model_loader import build_model
 from jpaged.models import ModelConfig
 from jpaged.utils import next_power_of_two
 
-# Tunix parameter path (layer index as {i}) -> (HF name, how the Tunix array becomes the HF one)
-_LAYER_PARAMS = {
-    "attn.q_proj.w": ("self_attn.q_proj.weight", "dnh"),   # [D, N, H] -> [N*H, D]
-    "attn.k_proj.w": ("self_attn.k_proj.weight", "dnh"),
-    "attn.v_proj.w": ("self_attn.v_proj.weight", "dnh"),
-    "attn.o_proj.w": ("self_attn.o_proj.weight", "nhd"),   # [N, H, D] -> [D, N*H]
-    "attn.q_bias": ("self_attn.q_proj.bias", "same"),      # Qwen2
-    "attn.k_bias": ("self_attn.k_proj.bias", "same"),
-    "attn.v_bias": ("self_attn.v_proj.bias", "same"),
-    "attn.q_norm.w": ("self_attn.q_norm.weight", "same"),  # Qwen3
-    "attn.k_norm.w": ("self_attn.k_norm.weight", "same"),
-    "mlp.gate_proj.kernel": ("mlp.gate_proj.weight", "t"),  # nnx.Linear [in, out] -> [out, in]
-    "mlp.up_proj.kernel": ("mlp.up_proj.weight", "t"),
-    "mlp.down_proj.kernel": ("mlp.down_proj.weight", "t"),
-    "input_layernorm.w": ("input_layernorm.weight", "same"),
-    "post_attention_layernorm.w": ("post_attention_layernorm.weight", "same"),
-}
-_MODEL_PARAMS = {
-    "embedder.input_embedding": ("model.embed_tokens.weight", "same"),
-    "final_norm.w": ("model.norm.weight", "same"),
-    "lm_head.w": ("lm_head.weight", "t"),
-}
-_LAYER_PATH = re.compile(r"layers\.(\d+)\.(.+)")
+POLICY_ADAPTER = "tunix_policy"  # the LoRARequest name of a LoRA policy's adapter
 # Tunix class name -> the Hugging Face architecture and model_type of jpaged's model of the family
 FAMILIES = {
     "Llama3": ("LlamaForCausalLM", "llama"),
@@ -64,43 +48,12 @@ FAMILIES = {
 }
 
 
-def _to_hf_layout(array, how: str):
-    if how == "dnh":
-        return array.reshape(array.shape[0], -1).T
-    if how == "nhd":
-        return array.reshape(-1, array.shape[-1]).T
-    if how == "t":
-        return array.T
-    return jnp.copy(array)  # the engine's own buffer: the trainer may donate or overwrite its arrays
-
-
-def tunix_to_hf(params) -> dict:
-    """``{hf_parameter_name: array}`` of a Tunix Llama3 / Qwen2 / Qwen3 model or of an
-    ``nnx.State`` of its parameters (a subset, e.g. what ``update_params`` receives, gives the
-    subset). The arrays stay on their devices (reshapes, transposes and copies, no host trip)."""
-    state = params if isinstance(params, nnx.State) else nnx.state(params, nnx.Param)
-    hf = {}
-    for path, value in nnx.to_flat_state(state):
-        name = ".".join(map(str, path))
-        layer = _LAYER_PATH.fullmatch(name)
-        hf_name, how = (None, None)
-        if layer and layer.group(2) in _LAYER_PARAMS:
-            suffix, how = _LAYER_PARAMS[layer.group(2)]
-            hf_name = f"model.layers.{layer.group(1)}.{suffix}"
-        elif name in _MODEL_PARAMS:
-            hf_name, how = _MODEL_PARAMS[name]
-        if hf_name is None:
-            raise ValueError(f"params: Tunix parameter {name!r} has no jpaged counterpart "
-                             f"(mapped families: {', '.join(FAMILIES)})")
-        hf[hf_name] = _to_hf_layout(value.get_value() if hasattr(value, "get_value") else value, how)
-    return hf
-
-
 def _rope_theta(model) -> float:
     """The rope base the Tunix model computes with. Tunix 0.1.7's Llama3 attention calls
     ``apply_rope`` without the config's ``rope_theta``, so it runs at that function's default;
-    the rollout must compute what the trainer computes."""
-    module = inspect.getmodule(type(model))
+    the rollout must compute what the trainer computes. (qwix gives a LoRA model a subclass made
+    outside Tunix's module: the module is the first in the class's MRO that defines a family.)"""
+    module = next((m for m in map(inspect.getmodule, type(model).__mro__) if hasattr(m, "Attention")), None)
     attention = getattr(module, "Attention", None)
     apply_rope = getattr(module, "apply_rope", None)
     if attention is not None and apply_rope is not None and hasattr(attention, "block"):
@@ -144,12 +97,18 @@ class JpagedRollout(base_rollout.BaseRollout):
     batching) holding a copy of the trainer's weights, refreshed by `update_params`."""
 
     def __init__(self, rollout_actor, tokenizer, mesh, rollout_config: base_rollout.RolloutConfig,
-                 *, memory_utilization: float = 0.5, **engine_kwargs):
-        """``rollout_actor``: the Tunix NNX model (Llama3 / Qwen2 / Qwen3). ``tokenizer``: Tunix's
-        ``TokenizerAdapter`` (``encode``, ``decode``, ``bos_id``, ``eos_id``, ``pad_id``). ``mesh``:
-        the rollout mesh (jpaged uses the same devices; ``tensor_parallel_size`` in
-        ``engine_kwargs`` shards over them). ``max_model_len`` defaults to
-        ``rollout_config.kv_cache_size``. ``engine_kwargs``: other ``LLM(...)`` settings."""
+                 *, memory_utilization: float = 0.5, lora_alpha: float | None = None, **engine_kwargs):
+        """``rollout_actor``: the Tunix NNX model (Llama3 / Qwen2 / Qwen3), with or without qwix
+        LoRA. ``tokenizer``: Tunix's ``TokenizerAdapter`` (``encode``, ``decode``, ``bos_id``,
+        ``eos_id``, ``pad_id``). ``mesh``: the rollout mesh (jpaged uses the same devices;
+        ``tensor_parallel_size`` in ``engine_kwargs`` shards over them). ``max_model_len``
+        defaults to ``rollout_config.kv_cache_size``. ``lora_alpha``: qwix's alpha for every LoRA
+        module, only needed when the model's ``qwix.LoraProvider`` cannot be found (its rules give
+        it otherwise). ``engine_kwargs``: other ``LLM(...)`` settings.
+
+        With qwix LoRA factors on the actor, the engine serves the base weights with
+        ``enable_lora=True`` (``max_loras=1``, ``max_lora_rank``: the adapter's) and the factors
+        as one adapter (`jpaged.integrations.qwix_lora`) that every call runs under."""
         self._actor, self._tokenizer, self._mesh = rollout_actor, tokenizer, mesh
         graphdef, state = nnx.split(rollout_actor)
         self._abstract_actor = nnx.merge(graphdef, jax.eval_shape(lambda: state))
@@ -157,9 +116,20 @@ class JpagedRollout(base_rollout.BaseRollout):
         self._config = jpaged_config(rollout_actor, engine_kwargs["max_model_len"])
         self._dtype = rollout_config.data_type or jax.tree.leaves(nnx.state(rollout_actor, nnx.Param))[0].dtype
         engine_kwargs["memory_utilization"] = memory_utilization
+        factors = lora_factors(rollout_actor)
+        self._lora_request, self._lora_rank_alpha = None, {}
+        if factors:
+            self._lora_rank_alpha = module_rank_alpha(factors, qwix_lora_rules(rollout_actor), lora_alpha)
+            engine_kwargs.setdefault("enable_lora", True)
+            engine_kwargs.setdefault("max_loras", 1)
+            engine_kwargs.setdefault("max_lora_rank", max(int(np.shape(v)[-1]) for n, v in factors.items()
+                                                          if n.endswith("_lora_a")))
+            self._lora_request = LoRARequest(POLICY_ADAPTER, 1, "tunix://rollout_actor")
         model = build_model(self._config, tunix_to_hf(rollout_actor).items(), dtype=self._dtype,
                             attention_backend="xla")
         self._llm = LLM.from_model(model, tokenizer=None, **engine_kwargs)
+        if factors:
+            self._load_adapter(factors)
 
     @property
     def llm(self) -> LLM:
@@ -181,7 +151,8 @@ class JpagedRollout(base_rollout.BaseRollout):
         seed = _int_seed(rollout_config.seed)
         params = [self._sampling_params(rollout_config, len(rows), eos, None if seed is None else seed + g)
                   for g, rows in enumerate(groups.values())]
-        outs = self._llm.generate([list(key) for key in groups], params, use_tqdm=False)
+        outs = self._llm.generate([list(key) for key in groups], params, use_tqdm=False,
+                                  lora_request=self._lora_request)
         tokens, logprobs = [None] * len(prompts), [None] * len(prompts)
         for rows, out in zip(groups.values(), outs):
             for row, completion in zip(rows, out.outputs):
@@ -224,18 +195,29 @@ class JpagedRollout(base_rollout.BaseRollout):
         return jnp.asarray(out)
 
     def update_params(self, params, filter_types=None) -> None:
-        """Loads the trainer's parameters (an ``nnx.State`` of the Tunix model, full or a subset)
-        into the engine with `LLM.update_weights` (resharded in place, nothing recompiles).
-        LoRA-only updates (``filter_types`` of ``nnx.LoRAParam``) are refused."""
-        types = tuple(filter_types or ())
-        if any(isinstance(t, type) and issubclass(t, nnx.LoRAParam) for t in types):
-            raise ValueError("filter_types: LoRA-only updates (nnx.LoRAParam) are not supported by "
-                             "JpagedRollout yet; merge the adapters or train full parameters")
-        weights = tunix_to_hf(self._actor)  # a subset update keeps the other parameters
-        weights.update(tunix_to_hf(params))
+        """Loads the trainer's parameters (an ``nnx.State`` of the Tunix model, full or a subset):
+        base weights with `LLM.update_weights`, qwix LoRA factors (what Tunix's ``sync_weights``
+        sends a LoRA policy: ``filter_types=(nnx.LoRAParam,)``) with `LLM.update_lora`, which
+        rewrites the adapter's device slot in place. Nothing recompiles; the prefix cache never
+        serves blocks of the old weights or factors."""
+        del filter_types  # what params holds decides: its base weights and its LoRA factors
+        state = params if isinstance(params, nnx.State) else nnx.state(params, nnx.Param)
+        new_factors = lora_factors(state)
+        has_base = any(not is_lora_factor(".".join(map(str, path)), value)
+                       for path, value in nnx.to_flat_state(state))
+        if new_factors and self._lora_request is None:
+            raise ValueError("params: LoRA factors (nnx.LoRAParam), but the rollout actor had none when the "
+                             "rollout was built, so the engine serves no adapter")
         # Tunix's sync_weights forbids explicit host transfers on CPU; the engine's placement may copy
         with jax.transfer_guard("allow"):
-            self._llm.update_weights(weights)
+            if has_base:
+                weights = tunix_to_hf(self._actor)  # a subset update keeps the other parameters
+                weights.update(tunix_to_hf(state))
+                self._llm.update_weights(weights)
+            if new_factors:
+                factors = lora_factors(self._actor)
+                factors.update(new_factors)
+                self._load_adapter(factors)
 
     def pad_id(self) -> int:
         return self._tokenizer.pad_id()
@@ -269,4 +251,11 @@ class JpagedRollout(base_rollout.BaseRollout):
         """Per-token logprobs of each completion after its prompt, in one batch (`LLM.score`)."""
         if not rows:
             return []
-        return [[float(x) for x in row] for row in self._llm.score([p for p, _ in rows], [c for _, c in rows])]
+        return [[float(x) for x in row] for row in self._llm.score([p for p, _ in rows], [c for _, c in rows],
+                                                                   lora_request=self._lora_request)]
+
+    def _load_adapter(self, factors: dict) -> None:
+        """Serves the policy's qwix LoRA ``factors`` as the rollout's adapter (registered, or its
+        factors replaced in its device slot)."""
+        config, tensors = qwix_lora_to_peft(factors, self._lora_rank_alpha)
+        self._llm.update_lora(self._lora_request, tensors, config)

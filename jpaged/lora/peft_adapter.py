@@ -1,10 +1,13 @@
-"""PEFT LoRA adapters read from disk and checked against the served model, on the host.
+"""PEFT LoRA adapters read from disk (or given in memory) and checked against the served model,
+on the host.
 
 A PEFT directory holds ``adapter_config.json`` (``r``, ``lora_alpha``, ``use_rslora``,
 ``target_modules``, ``rank_pattern``, ``alpha_pattern``) and ``adapter_model.safetensors``
 (``base_model.model.model.layers.{i}.{self_attn|mlp}.{proj}.lora_A.weight`` ``[r, in]`` and
-``lora_B.weight`` ``[out, r]``). Every check runs here, before any device work, and a failure is
-a ValueError naming the file or field.
+``lora_B.weight`` ``[out, r]``). An adapter given in memory (`peft_adapter_from_memory`: a trainer's
+adapter) is the same config as a dict and the same tensors by the same names. Every check runs
+here, before any device work, and a failure is a ValueError naming the file (or the in-memory
+adapter) and the field.
 """
 import json
 import os
@@ -54,19 +57,24 @@ def read_adapter_config(path: str) -> dict:
         raise ValueError(f"lora_path: {config_file} is missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{config_file}: not valid JSON ({e})") from None
+    check_adapter_config(config, config_file)
+    return config
+
+
+def check_adapter_config(config, where: str) -> None:
+    """ValueError (prefixed ``where``) for a PEFT config jpaged cannot serve."""
     if not isinstance(config, dict):
-        raise ValueError(f"{config_file}: expected a JSON object")
+        raise ValueError(f"{where}: expected a JSON object")
     kind = config.get("peft_type", "LORA")
     if kind != "LORA":
-        raise ValueError(f"{config_file}: peft_type={kind!r}, only 'LORA' adapters are supported")
+        raise ValueError(f"{where}: peft_type={kind!r}, only 'LORA' adapters are supported")
     if config.get("use_dora"):
-        raise ValueError(f"{config_file}: use_dora=True is not supported")
+        raise ValueError(f"{where}: use_dora=True is not supported")
     for field in ("modules_to_save", "layers_to_transform"):
         if config.get(field):
-            raise ValueError(f"{config_file}: {field}={config[field]!r} is not supported")
+            raise ValueError(f"{where}: {field}={config[field]!r} is not supported")
     if config.get("bias", "none") != "none":
-        raise ValueError(f"{config_file}: bias={config['bias']!r} is not supported (only 'none')")
-    return config
+        raise ValueError(f"{where}: bias={config['bias']!r} is not supported (only 'none')")
 
 
 def _read_tensors(path: str) -> dict[str, np.ndarray]:
@@ -86,11 +94,33 @@ def _read_tensors(path: str) -> dict[str, np.ndarray]:
 
 def load_peft_adapter(request, shapes: dict[tuple[int, str], tuple[int, int]], max_rank: int,
                       dtype=np.float32) -> LoRAAdapter:
-    """The adapter of ``request`` (a `LoRARequest`) for a model whose LoRA-capable projections
-    have these (in, out) ``shapes`` by (layer, name); ValueError when it does not fit."""
+    """The adapter of ``request`` (a `LoRARequest`) read from its directory, for a model whose
+    LoRA-capable projections have these (in, out) ``shapes`` by (layer, name); ValueError when it
+    does not fit."""
     path = request.lora_path
     config = read_adapter_config(path)
-    config_file = os.path.join(path, "adapter_config.json")
+    return _build_adapter(request, config, _read_tensors(path), shapes, max_rank, dtype,
+                          config_file=os.path.join(path, "adapter_config.json"),
+                          weights_file=os.path.join(path, "adapter_model.safetensors"))
+
+
+def peft_adapter_from_memory(request, config: dict, tensors: dict, shapes: dict[tuple[int, str], tuple[int, int]],
+                             max_rank: int, dtype=np.float32) -> LoRAAdapter:
+    """An adapter given in memory: ``config`` the fields of ``adapter_config.json``, ``tensors``
+    ``{PEFT tensor name: array}`` (numpy or JAX, copied to the host); checked as a directory's is."""
+    where = f"lora_request {request.lora_name!r} (in memory)"
+    check_adapter_config(config, f"{where}: config")
+    if not isinstance(tensors, dict):
+        raise ValueError(f"{where}: tensors: expected {{PEFT tensor name: array}}, got {type(tensors).__name__}")
+    host = {key: np.asarray(value) for key, value in tensors.items()}
+    return _build_adapter(request, config, host, shapes, max_rank, dtype,
+                          config_file=f"{where}: config", weights_file=f"{where}: tensors")
+
+
+def _build_adapter(request, config: dict, tensors: dict[str, np.ndarray], shapes, max_rank: int, dtype, *,
+                   config_file: str, weights_file: str) -> LoRAAdapter:
+    """Checks ``tensors`` against ``config`` and the model's ``shapes`` (errors name ``config_file``
+    and ``weights_file``: the files, or the in-memory adapter); transposes, pads and scales them."""
     targets = config.get("target_modules")
     if isinstance(targets, str):
         raise ValueError(f"{config_file}: target_modules as a regular expression ({targets!r}) is not supported; "
@@ -103,8 +133,6 @@ def load_peft_adapter(request, shapes: dict[tuple[int, str], tuple[int, int]], m
             why = " (a mixture-of-experts MLP takes no adapter)" if target in MLP_MODULES else ""
             raise ValueError(f"{config_file}: target_modules has {target!r}, which this model lacks{why}")
     r, alpha, rslora = config.get("r", 8), config.get("lora_alpha", 8), bool(config.get("use_rslora", False))
-    tensors = _read_tensors(path)
-    weights_file = os.path.join(path, "adapter_model.safetensors")
     factors: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     for key, value in tensors.items():
         m = _KEY.match(key)
@@ -141,4 +169,4 @@ def load_peft_adapter(request, shapes: dict[tuple[int, str], tuple[int, int]], m
         b_pad[:rank] = (b.astype(np.float32).T * scale)
         weights[(layer, name)] = (a_pad, b_pad)
         largest = max(largest, rank)
-    return LoRAAdapter(request.lora_name, request.lora_int_id, path, largest, weights)
+    return LoRAAdapter(request.lora_name, request.lora_int_id, request.lora_path, largest, weights)

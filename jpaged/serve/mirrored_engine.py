@@ -16,7 +16,7 @@ the followers, do what it did:
 - `follow` is a follower's loop: each call of each message, in order, until the leader's stop.
 
 Every other engine method reads state or runs on the leader only; the ones that would change the
-devices (``update_weights``, ``sleep``, ``wake_up``) are refused (a `RuntimeError`, a 409 on the
+devices (``update_weights``, ``update_lora``, ``sleep``, ``wake_up``) are refused (a `RuntimeError`, a 409 on the
 training routes) rather than run on one host. Messages are pickles of ``(method, args, kwargs)``,
 read back by an unpickler that builds nothing but jpaged's parameter dataclasses.
 """
@@ -136,6 +136,9 @@ class LeaderEngine:
 
     def update_weights(self, weights, draft_weights=None) -> None:
         self._refuse("update_weights")
+
+    def update_lora(self, lora_request, tensors, config) -> None:
+        self._refuse("update_lora")
 
     def sleep(self, level: int = 1) -> None:
         self._refuse("sleep")

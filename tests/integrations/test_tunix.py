@@ -188,9 +188,105 @@ def run_in_tunix_venv() -> dict:
             "global_steps": cluster.global_steps}
 
 
+LORA_MODULES = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*up_proj|.*down_proj"
+
+
+def _lora_policy(base, rank: int, alpha: float):
+    """``base`` with qwix LoRA on every projection (as Tunix's examples apply it), B random so the
+    adapter changes the outputs from the first step (qwix starts B at zero)."""
+    import jax
+    import qwix
+    from flax import nnx
+
+    inputs = {"input_tokens": jax.numpy.ones((1, 8), jax.numpy.int32),
+              "positions": jax.numpy.arange(8, dtype=jax.numpy.int32)[None], "cache": None,
+              "attention_mask": jax.numpy.ones((1, 8, 8), bool)}
+    model = qwix.apply_lora_to_model(base, qwix.LoraProvider(module_path=LORA_MODULES, rank=rank, alpha=alpha),
+                                     rngs=nnx.Rngs(1), **inputs)
+    key = jax.random.key(7)
+    for i, (path, var) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))):
+        if path[-1].endswith("_lora_b"):
+            var.set_value(0.2 * jax.random.normal(jax.random.fold_in(key, i), var.shape, var.dtype))
+    return model
+
+
+def run_lora_in_tunix_venv() -> dict:
+    """GRPO on a qwix LoRA policy: Tunix trains only the LoRA factors and syncs them with
+    ``update_params(lora_state, (nnx.LoRAParam,))``; after each sync jpaged (the base weights plus
+    the policy as one in-memory adapter) must equal the vanilla rollout on the trainer's model."""
+    import functools
+
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+    from tunix.rl import rl_cluster as rl_cluster_lib
+    from tunix.rl.grpo import grpo_learner
+    from tunix.rl.rollout import base_rollout
+
+    from jpaged.integrations.tunix import JpagedRollout
+
+    tokenizer = _tokenizer()
+    reference = _tiny_llama3(0)
+    actor = _lora_policy(_tiny_llama3(0), rank=4, alpha=2.0)  # scale 0.5: a wrong scale would show
+    syncs, trainer = [], {}
+
+    def sums(model, kind):
+        return float(sum(np.abs(np.asarray(v)).sum() for _, v in nnx.to_flat_state(nnx.state(model, kind))))
+
+    class CheckedRollout(JpagedRollout):
+        def update_params(self, params, filter_types=None):
+            with jax.transfer_guard("allow"):
+                sent = sorted({type(v).__name__ for _, v in nnx.to_flat_state(params)})
+            compilations = self.llm.get_metrics()["num_compilations"]
+            super().update_params(params, filter_types)
+            added = self.llm.get_metrics()["num_compilations"] - compilations
+            model = trainer["model"]
+            with jax.transfer_guard("allow"):  # sync_weights forbids host transfers on CPU
+                frozen = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
+                syncs.append({"compare": _compare(self, model, tokenizer), "compilations_added": added,
+                              "compilations": self.llm.get_metrics()["num_compilations"],
+                              "filter_types": [getattr(t, "__name__", str(t)) for t in filter_types or ()],
+                              "sent": sent, "lora_sum": sums(model, nnx.LoRAParam), "base_sum": sums(model, frozen)})
+
+    mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    Role = rl_cluster_lib.Role
+    cluster = rl_cluster_lib.RLCluster(
+        actor=actor, reference=reference, tokenizer=tokenizer,
+        cluster_config=rl_cluster_lib.ClusterConfig(
+            role_to_mesh={Role.ACTOR: mesh, Role.REFERENCE: mesh, Role.ROLLOUT: mesh},
+            rollout_engine=functools.partial(CheckedRollout, num_kv_blocks=64, block_size=8, max_num_seqs=16),
+            offload_to_cpu=False,
+            training_config=rl_cluster_lib.RLTrainingConfig(
+                actor_optimizer=optax.adam(3e-2), eval_every_n_steps=100, max_steps=3,
+                mini_batch_size=2, train_micro_batch_size=2),
+            rollout_config=base_rollout.RolloutConfig(max_tokens_to_generate=MAX_TOKENS, max_prompt_length=16,
+                                                      temperature=1.0, top_p=1.0, kv_cache_size=64, seed=0)))
+    trainer["model"] = cluster.actor_trainer.model
+    initial = _compare(cluster.rollout, trainer["model"], tokenizer)
+    base_tokens = [t.tolist() for t in _vanilla(reference, tokenizer).generate(PROMPTS, _greedy_config()).tokens]
+    engine = cluster.rollout.llm.llm_engine
+
+    def reward_fn(prompts, completions, **kwargs):  # favours ASCII letters
+        return [sum(ch.isascii() and ch.isalpha() for ch in c) / max(1, len(c)) for c in completions]
+
+    learner = grpo_learner.GRPOLearner(rl_cluster=cluster, reward_fns=reward_fn,
+                                       algo_config=grpo_learner.GRPOConfig(num_generations=4, num_iterations=1,
+                                                                           beta=0.04))
+    learner.train([{"prompts": np.array(PROMPTS[i:i + 2])} for i in range(0, 4, 2)] * 2)
+    logged = cluster._rl_metrics_logger  # noqa: SLF001  (RLCluster keeps its logger private)
+    metrics = cluster.rollout.llm.get_metrics()
+    return {"initial": initial, "base_tokens": base_tokens, "syncs": syncs,
+            "losses": [float(x) for x in logged.get_metric_history("actor", "loss", "train")],
+            "global_steps": cluster.global_steps, "max_lora_rank": engine.config.max_lora_rank,
+            "lora_version": engine.lora.versions[cluster.rollout._lora_request.lora_int_id],  # noqa: SLF001
+            "weights_version": engine.weights_version, "lora_slots_in_use": metrics["lora_slots_in_use"],
+            "free_blocks": metrics["num_free_blocks"], "total_blocks": metrics["num_total_blocks"]}
+
+
 # --- the pytest side (main environment) ------------------------------------------------------------
 
-def _run_in_venv():
+def _run_in_venv(*args: str):
     if not os.path.exists(TUNIX_PYTHON):
         why = f"the Tunix venv is missing ({TUNIX_PYTHON}): run `bash scripts/setup_tunix.sh`"
         if os.environ.get(OPT_OUT) == "1":
@@ -198,7 +294,7 @@ def _run_in_venv():
         pytest.fail(f"{why} (or set {OPT_OUT}=1 to skip the Tunix test)")
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
     env.pop("XLA_FLAGS", None)  # one CPU device, as a single-host trainer
-    proc = subprocess.run([TUNIX_PYTHON, os.path.abspath(__file__)], capture_output=True, text=True,
+    proc = subprocess.run([TUNIX_PYTHON, os.path.abspath(__file__), *args], capture_output=True, text=True,
                           env=env, cwd=REPO, timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
     if proc.returncode != 0 or not lines:
@@ -232,5 +328,30 @@ def test_grpo_loop_with_jpaged_rollout():
         _assert_matches(compare, family)
 
 
+@pytest.mark.slow  # ~2 minutes, as above
+def test_grpo_loop_with_a_lora_policy():
+    """Only the qwix LoRA factors train; each sync rewrites the engine's adapter in place."""
+    result = _run_in_venv("lora")
+    _assert_matches(result["initial"], "before training")
+    assert result["initial"]["tokens"] != result["base_tokens"], "the adapter changed no token"
+    assert result["max_lora_rank"] == 4
+    syncs = result["syncs"]
+    assert len(syncs) == result["global_steps"] >= 2, (len(syncs), result["global_steps"])
+    for i, sync in enumerate(syncs):
+        _assert_matches(sync["compare"], f"after LoRA sync {i + 1}")
+        assert sync["filter_types"] == ["LoRAParam"] and sync["sent"] == ["LoRAParam"], sync
+        assert sync["compilations_added"] == 0, f"sync {i + 1} compiled"
+    assert len({s["compilations"] for s in syncs}) == 1, [s["compilations"] for s in syncs]
+    lora_sums, base_sums = [s["lora_sum"] for s in syncs], [s["base_sum"] for s in syncs]
+    assert len(set(lora_sums)) == len(lora_sums), f"the LoRA factors did not change between syncs: {lora_sums}"
+    assert len(set(base_sums)) == 1, f"the frozen base weights changed: {base_sums}"
+    assert result["weights_version"] == 0, "a LoRA-only sync reloaded the base weights"
+    assert result["lora_version"] == 1 + len(syncs)  # registered once, replaced at every sync
+    assert result["losses"] and all(abs(x) < float("inf") for x in result["losses"]), result["losses"]
+    assert result["free_blocks"] == result["total_blocks"], "KV blocks leaked"
+    assert result["lora_slots_in_use"] == 0
+
+
 if __name__ == "__main__":
-    print(RESULT_PREFIX + json.dumps(run_in_tunix_venv()), flush=True)
+    run = run_lora_in_tunix_venv if sys.argv[1:] == ["lora"] else run_in_tunix_venv
+    print(RESULT_PREFIX + json.dumps(run()), flush=True)

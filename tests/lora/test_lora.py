@@ -173,6 +173,57 @@ def test_prefix_cache_is_keyed_by_adapter(llm, llama_dir, adapters):
     assert first.outputs[0].token_ids == again.outputs[0].token_ids
 
 
+def _in_memory(adapters, name):
+    """(tensors, config) of a fixture adapter, as a trainer would hand them over: no directory."""
+    from safetensors.numpy import load_file
+
+    path = adapters[name][0]
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        return load_file(os.path.join(path, "adapter_model.safetensors")), json.load(f)
+
+
+def test_update_lora_from_memory_rewrites_its_slot_in_place(llm, adapters):
+    """An adapter given in memory serves like the same adapter read from disk; `update_lora` with
+    new factors rewrites its device slot in place (the same slot, only the LoRA stacks' buffers
+    replaced, nothing compiles), and blocks cached under the old factors are never served again."""
+    import jax
+
+    from jpaged import LoRARequest
+
+    jax.monitoring.register_event_duration_secs_listener(_count_compile)
+    engine, runner = llm.llm_engine, llm.llm_engine.runner
+    request = LoRARequest("trainer", 50, "memory://trainer")
+    prompt = random_prompts(np.random.default_rng(5), [40])
+    llm.update_lora(request, *_in_memory(adapters, "attn"))
+    first = llm.generate(prompt, greedy(6), use_tqdm=False, lora_request=request)[0]
+    again = llm.generate(prompt, greedy(6), use_tqdm=False, lora_request=request)[0]
+    assert first.outputs[0].token_ids == hf_greedy(adapters["attn"][1], prompt[0], 6)[0]
+    assert again.num_cached_tokens > 0
+    slot = engine.lora.slots.slot_of[request.lora_int_id]
+    before, compiles = jax.tree.leaves(runner.state), (llm.get_metrics()["num_compilations"], _COMPILES[0])
+
+    llm.update_lora(request, *_in_memory(adapters, "all"))  # what a trainer's weight sync does
+    after = jax.tree.leaves(runner.state)
+    assert all(a is b for i, (a, b) in enumerate(zip(before, after)) if i not in runner._lora_writer.indices)
+    written = {runner._lora_writer.keys[k]: after[i] for k, i in enumerate(runner._lora_writer.indices)}
+    a, b = engine.lora.adapter(request).weights[(0, "gate_proj")]  # "attn" left the MLP untouched
+    np.testing.assert_array_equal(np.asarray(written[(0, "gate_proj", 0)])[slot], a)
+    np.testing.assert_array_equal(np.asarray(written[(0, "gate_proj", 1)])[slot], b)
+    out = llm.generate(prompt, greedy(6), use_tqdm=False, lora_request=request)[0]
+    assert engine.lora.slots.slot_of[request.lora_int_id] == slot
+    assert out.num_cached_tokens == 0, "a block computed under the old factors was served"
+    assert out.outputs[0].token_ids == hf_greedy(adapters["all"][1], prompt[0], 6)[0]
+    assert (llm.get_metrics()["num_compilations"], _COMPILES[0]) == compiles
+
+    tensors, config = _in_memory(adapters, "all")
+    with pytest.raises(ValueError, match="'trainer' \\(in memory\\): tensors.*do not fit"):
+        llm.update_lora(request, {k: v[:, :1] for k, v in tensors.items()}, config)
+    kept = llm.generate(prompt, greedy(6), use_tqdm=False, lora_request=request)[0]
+    assert kept.outputs[0].token_ids == out.outputs[0].token_ids and kept.num_cached_tokens > 0
+    assert engine.lora.remove("trainer")
+    assert_no_leak(llm)
+
+
 @pytest.mark.slow
 def test_n_and_beams_with_an_adapter(llm, adapters):
     from jpaged import BeamSearchParams, SamplingParams

@@ -127,7 +127,8 @@ def test_what_an_engine_spanning_hosts_refuses(engines):
     with pytest.raises(ValueError, match="built by its own process"):
         leader.add_request(foreign)
     assert "foreign" not in engines[0].requests
-    for call in (lambda: leader.sleep(1), leader.wake_up, lambda: leader.update_weights("/some/checkpoint")):
+    for call in (lambda: leader.sleep(1), leader.wake_up, lambda: leader.update_weights("/some/checkpoint"),
+                 lambda: leader.update_lora(None, {}, {})):
         with pytest.raises(RuntimeError, match="not on an engine spanning hosts"):
             call()
     leader.close()
