@@ -453,6 +453,7 @@ def run_mixed_load(model, num_requests, seed=0, **settings_):
     return llm
 
 
+@pytest.mark.slow
 def test_mixed_load_completes_without_leaks_and_bounded_compilations(model):
     llm = run_mixed_load(model, 100)
     first = llm.get_metrics()["num_compilations"]

@@ -138,6 +138,7 @@ def test_a_head_dim_64_pool_is_not_copied_around_the_step(tmp_path, topology):
     assert figures["max_temp_bytes"] < figures["kv_pool_bytes"] / 16, figures["steps"]
 
 
+@pytest.mark.slow
 def test_moe_temporaries_are_one_layers_routed_activations(tmp_path):
     """XLA:GPU's ``ragged_dot`` expands the sorted rows to one masked copy per expert ([E, T * k,
     hidden]: 8 GiB for Qwen3-30B-A3B's 2,048 tokens); the GPU runs the experts' tiled loop instead.

@@ -195,6 +195,7 @@ def run(server, seeds, num_requests):
     assert m["num_free_blocks"] == m["num_total_blocks"] and server.engine.num_unfinished == 0
 
 
+@pytest.mark.slow
 def test_fuzz_200_requests(server):
     run(server, [29], 200)
 

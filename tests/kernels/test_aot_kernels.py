@@ -59,6 +59,7 @@ def _expected(name, preset):
     return [c.name for c in cases.cases_for(preset, targets.get(name).kv_dtypes)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", DEFAULT_TARGETS)
 def test_cross_section_compiles(cross_section, target):
     records = cross_section[target]

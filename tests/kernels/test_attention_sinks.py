@@ -39,6 +39,7 @@ RAGGED = Case(seqs=[(5, 5), (1, 20), (0, 7), (17, 33), (1, 1), (40, 56)], block_
 DECODE = decode_case([0, 1, 15, 16, 17, 100], block_size=16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window", [None, 9])
 def test_reference_with_sinks_vs_numpy(window):
     args, kw = RAGGED.build()

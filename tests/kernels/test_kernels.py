@@ -192,6 +192,7 @@ def as_np(x):
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [
     decode_case([0, 1, 15, 16, 17, 40], block_size=16),
     decode_case([3, 8, 9], block_size=8, group=1, num_kv_heads=3),
@@ -216,6 +217,7 @@ def check_ragged_reference(case, window=None, soft_cap=None, **knobs):
   check(out, expected, case.dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [
     Case(seqs=[(5, 5), (1, 20), (0, 7), (9, 33), (1, 1)], max_seqs=7,
          extra_tokens=3),
@@ -241,6 +243,7 @@ KNOBS = {"w3": (3, None), "w20": (20, None), "w4096": (4096, None),
          "cap2": (None, 2.0), "w9_cap5": (9, 5.0)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("knobs", KNOBS)
 def test_reference_window_and_soft_cap_vs_numpy(knobs):
   """Windows cut inside and across blocks, for prefill chunks that start
@@ -326,6 +329,7 @@ DECODE_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("name", DECODE_CASES)
 def test_paged_attention(name, backend):
@@ -353,6 +357,7 @@ RAGGED_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("name", RAGGED_CASES)
 def test_ragged_paged_attention(name, backend):
@@ -367,6 +372,7 @@ def test_ragged_paged_attention(name, backend):
   assert not np.any(as_np(out)[num_real:])  # padding rows are zeros
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("knobs", ["w3", "w20", "w9_cap5"])
 def test_kernels_window_and_soft_cap(knobs, backend):
@@ -386,6 +392,7 @@ def test_kernels_window_and_soft_cap(knobs, backend):
       *args, sliding_window=window, logits_soft_cap=cap, **skw), case.dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_kernels_read_only_the_window(backend):
   """Blocks wholly before every row's window are never fetched."""
@@ -417,6 +424,7 @@ def test_ragged_decode_rows_match_paged_attention():
                              atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_ragged_scalar_num_seqs_and_small_tiles():
   case = Case(seqs=[(3, 3), (20, 50), (1, 5)], max_seqs=5, extra_tokens=4)
   args, kw = case.build()
@@ -442,6 +450,7 @@ SLOT_PATTERNS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("slots", SLOT_PATTERNS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -461,6 +470,7 @@ def test_write_kv(backend, slots, dtype):
     np.testing.assert_array_equal(as_np(g), w)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_write_kv_duplicate_slots_write_one_of_the_rows(backend):
   k, v, kn, vn, _ = _cache_inputs(dtype=jnp.bfloat16, bs=16, num_tokens=5)
@@ -484,6 +494,7 @@ def test_copy_blocks(backend, dtype):
     np.testing.assert_array_equal(as_np(g), as_np(w))
 
 
+@pytest.mark.slow
 def test_auto_backend_on_cpu_is_reference():
   case = Case(seqs=[(4, 10), (1, 17)])
   args, kw = case.build()

@@ -127,6 +127,7 @@ def _ragged_ref(q, k, v, args, **kw):
 
 
 # Outputs are ~0.57 in mean magnitude: int8 errs ~1% on average, fp8 (3 mantissa bits) ~4%.
+@pytest.mark.slow
 @pytest.mark.parametrize("name,max_err,mean_err", [("int8", 0.08, 0.01), ("fp8", 0.3, 0.04)])
 def test_reference_8bit_vs_float_attention(name, max_err, mean_err):
     q, (k, v), (kq, vq, words), args = _case(name)
@@ -146,6 +147,7 @@ def test_reference_8bit_vs_float_attention(name, max_err, mean_err):
     np.testing.assert_allclose(dec, full, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("name", QDTYPES)
@@ -173,6 +175,7 @@ def test_kernels_vs_reference_on_8bit_pages(name, q_dtype, backend):
     np.testing.assert_allclose(_f32(got), expected, **KERNEL_TOL[q_dtype])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("name", QDTYPES)
 def test_write_and_copy_kernels_on_8bit_pools(name, backend):
@@ -331,6 +334,7 @@ def _blocks(path, **kw):
     return llm.get_metrics()["num_total_blocks"], llm
 
 
+@pytest.mark.slow
 def test_blocks_per_byte_budget(hd64_dir):
     path, _ = hd64_dir
     f32, _ = _blocks(path)  # CPU auto: float32
@@ -387,6 +391,7 @@ def test_engine_int8_prefix_swap_forks_tp(hd64_dir):
     assert np.mean(lp_err) < 0.04 and max(lp_err) < 0.15, (np.mean(lp_err), max(lp_err))
 
 
+@pytest.mark.slow
 def test_engine_fp8_prefix_swap_forks(hd64_dir):
     """fp8 KV (the XLA path here) through prefix caching, swap and copy-on-write, no block leaked."""
     path, _ = hd64_dir

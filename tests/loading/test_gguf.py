@@ -307,6 +307,7 @@ def hf_reference(smollm2):
     return hf_config, state, tokenizer
 
 
+@pytest.mark.slow
 def test_smollm2_config(smollm2, hf_reference):
     config = smollm2[1][0]
     ref = hf_reference[0]

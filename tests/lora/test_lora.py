@@ -465,6 +465,7 @@ def test_tensor_parallel_two_with_adapters(llama_dir, adapters):
     assert_no_leak(llm)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_speculative_decoding_with_adapters(llama_dir, adapters, method):
     """Speculative decoding verifies with the target's adapters (the draft model, without them,

@@ -55,6 +55,7 @@ def llama_orbax(llama_dir, tmp_path_factory):
     return path, hf_model, model, tokenizer, ckpt
 
 
+@pytest.mark.slow
 def test_in_memory_orbax_and_hf_give_identical_greedy_tokens(llama_orbax):
     path, hf_model, model, tokenizer, ckpt = llama_orbax
     prompts = random_prompts(np.random.default_rng(0), [3, 17, 40])
@@ -116,6 +117,7 @@ def test_orbax_layout_and_hf_view(llama_orbax):
         orbax_checkpoint.save_checkpoint(model, ckpt)
 
 
+@pytest.mark.slow
 def test_custom_model_paged_matches_dense_and_survives_orbax(tmp_path):
     example = load_file_module("custom_model", "examples/custom_model.py")
     results = example.main(num_prompts=3, max_tokens=12)  # asserts paged == dense for each prompt
@@ -145,6 +147,7 @@ def test_dense_view_needs_paged_attention():
         dense_view(NoAttention())
 
 
+@pytest.mark.slow
 def test_train_tiny_loss_drops_and_checkpoint_serves(tmp_path):
     train_tiny = load_file_module("train_tiny", "scripts/train_tiny.py")
     lines = []

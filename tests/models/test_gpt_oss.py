@@ -67,6 +67,7 @@ def _mxfp4_checkpoint(tmp_path_factory):
     return out, model
 
 
+@pytest.mark.slow
 def test_mxfp4_checkpoint_is_dequantized_at_load_and_token_exact(tmp_path_factory):
     path, hf_model = _mxfp4_checkpoint(tmp_path_factory)
     prompts = random_prompts(np.random.default_rng(2), [30, 5])
@@ -79,6 +80,7 @@ def test_mxfp4_checkpoint_is_dequantized_at_load_and_token_exact(tmp_path_factor
     np.testing.assert_array_equal(gate, hf_model.model.layers[0].mlp.experts.gate_up_proj[..., 0::2].detach().numpy())
 
 
+@pytest.mark.slow
 def test_parallel_samples_equal_the_single_greedy_one(tmp_path_factory):
     llm = engine(tmp_path_factory, "gpt_oss")
     prompts = random_prompts(np.random.default_rng(3), [14, 9])
@@ -145,6 +147,7 @@ def test_tensor_parallel_2_equals_transformers(tmp_path_factory, expert_parallel
     assert _tokens(llm, prompts, 8) == [hf_greedy(hf_model, p, 8)[0] for p in prompts]
 
 
+@pytest.mark.slow
 def test_dense_forward_equals_transformers_logits(tmp_path_factory):
     """The no-cache dense view (training, the oracle) honours this family's attention too."""
     import torch

@@ -10,6 +10,7 @@ from jpaged import LLM, SamplingParams
 from jpaged.models.attention import BACKENDS, make_attention_metadata
 
 
+@pytest.mark.slow
 def test_pallas_backend_matches_xla(llama_dir):
     prompts = random_prompts(np.random.default_rng(0), [1, 20, 37, 5])
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -62,6 +63,7 @@ def test_metadata_shapes_depend_only_on_buckets():
         make_attention_metadata("cuda", **_step([1], [3], 16, 4, 8)[0])
 
 
+@pytest.mark.slow
 def test_pallas_decode_only_step_matches_xla():
     """A decode-only step runs the decode kernel (interpret mode here) and gives the xla path's output."""
     arrays, q, k, v = _step([1, 1, 1], [9, 30, 2], 16, 4, 8)

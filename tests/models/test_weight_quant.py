@@ -154,6 +154,7 @@ def test_int8_opt_and_gpt2(request, fixture, linear, table):
     assert tokens[0][0] == expected[0][0] and np.mean(same) >= 0.75, (tokens, expected)
 
 
+@pytest.mark.slow
 def test_int8_tensor_parallel_matches_one_device(llama_dir):
     path, _ = llama_dir
     prompts = random_prompts(np.random.default_rng(3), [17, 30, 8])
@@ -221,6 +222,7 @@ def test_gguf_kept_matches_expanded_float_logits(mixed_gguf):
             np.testing.assert_allclose([b[k] for k in a], [a[k] for k in a], atol=2e-4)
 
 
+@pytest.mark.slow
 def test_gguf_kept_tensor_parallel(mixed_gguf):
     prompts = random_prompts(np.random.default_rng(6), [12, 27], vocab=TINY["vocab"])
     tokens = [greedy(LLM(mixed_gguf, quantization="gguf", tensor_parallel_size=tp, **ENGINE), prompts)

@@ -37,6 +37,7 @@ def outputs(llm, prompts, params):
              for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+@pytest.mark.slow
 def test_windows_give_the_outputs_of_single_steps(llama_dir, monkeypatch):
     rng = np.random.default_rng(1)
     prompts = random_prompts(rng, [7, 30, 12, 50, 3, 21, 9])

@@ -82,6 +82,7 @@ def test_json_object_and_mixed_batch(llm):
     assert re.fullmatch(REGEX, outs[2].outputs[0].text)
 
 
+@pytest.mark.slow
 def test_preemption_and_prefix_caching_keep_the_grammar_state(llama_dir, llm):
     """Seeded constrained requests give the same tokens on a roomy pool, on a pool so small that they
     are preempted (recomputed, or swapped out and in), and again when their prompt is served from the

@@ -39,6 +39,7 @@ def test_kv_quant_report(llama_dir):
     assert result.stdout.count("Throughput:") == 2 and "kv int8 / auto (paged): blocks 3.5" in result.stdout
 
 
+@pytest.mark.slow
 def test_serving_benchmark_runs(llama_dir, tmp_path):
     result = run_script("benchmark_serving.py", f"--model={llama_dir[0]}", "--workload=sharegpt-like",
                         "--num_requests=4", "--length_scale=0.05", "--max_model_len=256", "--num_kv_blocks=64",
@@ -112,6 +113,7 @@ def test_moe_benchmark_runs():
     assert len(rows) == 2 and all(float(row[-1]) < 1e-4 for row in rows), result.stdout
 
 
+@pytest.mark.slow
 def test_startup_benchmark_runs(llama_dir):
     """A fresh process from start to the last token of the fixed batch, compilation cache cold."""
     result = run_script("benchmark_startup.py", f"--model={llama_dir[0]}", "--cache=cold",

@@ -4,11 +4,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from jpaged import LLM, SamplingParams
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "multihost_generate.py")
 
 
+@pytest.mark.slow
 def test_two_processes_serve_one_batch(llama_dir, tmp_path):
     out = tmp_path / "tokens.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

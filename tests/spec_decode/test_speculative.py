@@ -132,6 +132,7 @@ def test_greedy_tokens_equal_transformers_through_preemption(request, model_fixt
         assert metrics["num_swap_outs"] > 0
 
 
+@pytest.mark.slow
 def test_draft_model_greedy_equals_transformers(llama_dir, tmp_path_factory):
     """The target as its own draft accepts everything; a random draft of another shape, almost
     nothing: both give transformers' tokens."""
@@ -170,6 +171,7 @@ def outputs(llm, prompts, params):
              for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", [NGRAM, pytest.param({"method": "draft_model", "model": "SELF",
                                                         "num_speculative_tokens": 3}, marks=SLOW)],
                          ids=["ngram", "draft"])
