@@ -329,9 +329,14 @@ DECODE_CASES = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
-@pytest.mark.parametrize("name", DECODE_CASES)
+def grid(cases, quick):
+  """(case, backend) pairs: the ``quick`` ones in the default run, the rest marked slow (interpret
+  mode compiles each kernel for tens of seconds on a cold cache)."""
+  return [pytest.param(name, backend, marks=() if (name, backend) in quick else pytest.mark.slow)
+          for name in cases for backend in KERNEL_BACKENDS]
+
+
+@pytest.mark.parametrize("name,backend", grid(DECODE_CASES, quick={("bs16_d64_g4_f32", b) for b in KERNEL_BACKENDS}))
 def test_paged_attention(name, backend):
   case = DECODE_CASES[name]
   (q, k, v, bt, sl, _, _), kw = case.build()
@@ -357,9 +362,8 @@ RAGGED_CASES = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
-@pytest.mark.parametrize("name", RAGGED_CASES)
+# the TPU kernel's ragged path is also in the default run through test_ragged_decode_rows_match_paged_attention
+@pytest.mark.parametrize("name,backend", grid(RAGGED_CASES, quick={("bs32_g1_bf16", "gpu")}))
 def test_ragged_paged_attention(name, backend):
   case = RAGGED_CASES[name]
   args, kw = case.build()
