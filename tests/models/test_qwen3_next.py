@@ -6,6 +6,7 @@ preemption; decode windows; the settings these models refuse or change (with the
 configs refused by the config.json field before any weight; TP 2 and the pallas backend (slow)."""
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -34,7 +35,7 @@ def test_causal_conv_continues_each_sequence_state():
     qsl, x = _ragged(rng, lengths, channels)
     state = rng.standard_normal((len(lengths), taps - 1, channels)).astype(np.float32)
     weight = rng.standard_normal((channels, taps)).astype(np.float32)
-    out, new_state = causal_conv(jnp.asarray(x), jnp.asarray(state), jnp.asarray(weight), jnp.asarray(qsl))
+    out, new_state = jax.jit(causal_conv)(x, state, weight, qsl)
     for s, n in enumerate(lengths):
         inputs = torch.tensor(np.concatenate([state[s], x[qsl[s]:qsl[s + 1]]]).T[None])  # [1, C, K - 1 + n]
         np.testing.assert_array_equal(np.asarray(new_state)[s], inputs[0].T.numpy()[-(taps - 1):])
@@ -60,7 +61,7 @@ def test_gated_delta_rule_equals_transformers_chunked_form():
     beta = rng.uniform(0, 1, (t, heads)).astype(np.float32)
     state = rng.standard_normal((len(lengths), heads, dk, dv)).astype(np.float32)
     qn, kn = np.asarray(l2_normalize(jnp.asarray(q))) * dk ** -0.5, np.asarray(l2_normalize(jnp.asarray(k)))
-    out, new_state = gated_delta_rule(*(jnp.asarray(a) for a in (qn, kn, v, g, beta, state, qsl)))
+    out, new_state = jax.jit(gated_delta_rule)(qn, kn, v, g, beta, state, qsl)
     for s in range(len(lengths)):
         part = slice(qsl[s], qsl[s + 1])
         ref, ref_state = torch_chunk_gated_delta_rule(
@@ -68,6 +69,16 @@ def test_gated_delta_rule_equals_transformers_chunked_form():
             output_final_state=True, use_qk_l2norm_in_kernel=True)
         np.testing.assert_allclose(np.asarray(out)[part], ref[0].numpy(), rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(np.asarray(new_state)[s], ref_state[0].numpy(), rtol=1e-4, atol=1e-4)
+
+
+_engines = {}
+
+
+def roomy(tmp_path_factory, name):
+    """An engine of the family's shape with a pool that never preempts (made once per family)."""
+    if name not in _engines:
+        _engines[name] = engine(tmp_path_factory, name, num_kv_blocks=64)
+    return _engines[name]
 
 
 def _greedy(llm, prompts, n=1, max_tokens=8):
@@ -82,17 +93,25 @@ def _all_free(llm):
     assert not testing.state_slots(llm).slots and not testing.state_slots(llm).pending_copies
 
 
-def test_parallel_samples_and_beams_share_the_prompt_state(tmp_path_factory):
+def test_parallel_samples_share_the_prompt_state(tmp_path_factory):
     """n = 3 greedy samples fork from the prompt's state (one slot, copied on the first write of
-    each) and all equal transformers' greedy tokens; beams (forked and dropped every step) equal
-    transformers' beam search; afterwards every block and slot is free."""
-    import torch
-
+    each) and all equal transformers' greedy tokens; afterwards every block and slot is free."""
     hf_model = family(tmp_path_factory, "qwen3_next")[1]
-    llm = engine(tmp_path_factory, "qwen3_next", num_kv_blocks=64)
+    llm = roomy(tmp_path_factory, "qwen3_next")
     prompts = random_prompts(np.random.default_rng(3), [14, 9])
     for prompt, samples in zip(prompts, _greedy(llm, prompts, n=3)):
         assert samples == [hf_greedy(hf_model, prompt, 8)[0]] * 3
+    _all_free(llm)
+
+
+@pytest.mark.slow  # transformers' beam search over its reference linear attention: a minute
+def test_beams_equal_transformers_beam_search(tmp_path_factory):
+    """Beams fork and drop every step (slots shared, copied on write, freed)."""
+    import torch
+
+    hf_model = family(tmp_path_factory, "qwen3_next")[1]
+    llm = roomy(tmp_path_factory, "qwen3_next")
+    prompts = random_prompts(np.random.default_rng(3), [14, 9])
     beams = llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))
     for prompt, result in zip(prompts, beams):
         with torch.no_grad():
@@ -106,10 +125,10 @@ def test_forked_samples_through_preemption_and_few_state_slots(tmp_path_factory)
     """Seeded n = 2 samples come out the same in a pool that preempts them (their states are
     recomputed) and with two state slots (max_num_seqs=2: a fork's copy waits for a free slot) as
     in a roomy engine; preemption_mode='swap' recomputes instead, saying so."""
-    prompts = random_prompts(np.random.default_rng(4), [24, 17, 9])
-    params = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=12, ignore_eos=True)
-    roomy = engine(tmp_path_factory, "qwen3_next", num_kv_blocks=64)
-    want = [[c.token_ids for c in o.outputs] for o in roomy.generate(prompts, params, use_tqdm=False)]
+    prompts = random_prompts(np.random.default_rng(4), [24, 9, 5])
+    params = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=8, ignore_eos=True)
+    want = [[c.token_ids for c in o.outputs]
+            for o in roomy(tmp_path_factory, "qwen3_next").generate(prompts, params, use_tqdm=False)]
     with JpagedLog() as log:
         tight = engine(tmp_path_factory, "qwen3_next", preemption_mode="swap", max_num_seqs=2)
     assert any("recurrent states are not swapped" in m for m in log.messages)
@@ -125,7 +144,7 @@ def test_decode_windows_carry_the_state(tmp_path_factory):
     hf_model = family(tmp_path_factory, "qwen3_5")[1]
     prompts = random_prompts(np.random.default_rng(5), [11, 3])
     llm = engine(tmp_path_factory, "qwen3_5", num_kv_blocks=64, num_scheduler_steps=4)
-    assert [t[0] for t in _greedy(llm, prompts, max_tokens=10)] == [hf_greedy(hf_model, p, 10)[0] for p in prompts]
+    assert [t[0] for t in _greedy(llm, prompts, max_tokens=9)] == [hf_greedy(hf_model, p, 9)[0] for p in prompts]
     _all_free(llm)
 
 
@@ -138,7 +157,7 @@ def test_settings_a_recurrent_model_refuses_or_changes(tmp_path_factory):
     with pytest.raises(ValueError, match="kv_offload"):
         LLM(path, num_kv_blocks=16, kv_offload={"host_bytes": 1 << 20})
     with JpagedLog() as log:
-        llm = engine(tmp_path_factory, "qwen3_5", num_kv_blocks=64)
+        _engines["qwen3_5"] = llm = engine(tmp_path_factory, "qwen3_5", num_kv_blocks=64)
     assert any("prefix caching is off for this model" in m for m in log.messages)
     prompt = random_prompts(np.random.default_rng(6), [20])
     assert _greedy(llm, prompt * 2) == _greedy(llm, prompt)[0:1] * 2  # the same prompt again: recomputed
@@ -188,8 +207,14 @@ def test_tensor_parallel_2_equals_transformers(tmp_path_factory):
 
 
 @pytest.mark.slow  # Pallas interpret mode for the full-attention layer
-def test_pallas_backend_equals_transformers(tmp_path_factory):
+def test_pallas_backend_in_one_whole_step_equals_transformers(tmp_path_factory, monkeypatch):
+    """The TPU/GPU path: the Pallas kernels (interpret mode here) in one jitted step of the whole
+    model (the CPU's layer pieces off)."""
+    from jpaged.runner import model_runner
+
+    monkeypatch.setattr(model_runner.LayerPieces, "of", classmethod(lambda cls, model: None))
     hf_model = family(tmp_path_factory, "qwen3_5")[1]
     prompts = random_prompts(np.random.default_rng(8), [20, 3])
     llm = engine(tmp_path_factory, "qwen3_5", attention_backend="pallas")
+    assert llm.llm_engine.runner.pieces is None
     assert [t[0] for t in _greedy(llm, prompts, max_tokens=4)] == [hf_greedy(hf_model, p, 4)[0] for p in prompts]
