@@ -128,8 +128,8 @@ def attention_windows(model) -> list:
     """Each layer's kind, in layer order: the sliding window (None: global) of its `PagedAttention`,
     or `RECURRENT` for a layer that keeps a recurrent state instead (one with ``state_arrays``,
     e.g. `jpaged.models.gated_delta_net.GatedDeltaNet`)."""
-    windows = [RECURRENT if hasattr(node, "state_arrays") else node.sliding_window
-               for _, node in nnx.iter_graph(model) if isinstance(node, PagedAttention) or hasattr(node, "state_arrays")]
+    windows = [RECURRENT if hasattr(node, "state_arrays") else node.sliding_window for _, node in nnx.iter_graph(model)
+               if isinstance(node, PagedAttention) or hasattr(node, "state_arrays")]
     if len(windows) != model.config.num_layers:
         raise ValueError(f"{type(model).__name__}: {len(windows)} PagedAttention or recurrent layers for "
                          f"num_layers={model.config.num_layers} (one per layer, each with its own cache)")
