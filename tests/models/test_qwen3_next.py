@@ -44,15 +44,16 @@ def test_causal_conv_continues_each_sequence_state():
             np.testing.assert_allclose(np.asarray(out)[qsl[s]:qsl[s + 1]], ref, rtol=1e-5, atol=1e-5)
 
 
-def test_gated_delta_rule_equals_transformers_chunked_form():
+@pytest.mark.parametrize("lengths", [[1, 5, 70, 3], [1, 0, 1, 1]], ids=["prefill", "decode"])
+def test_gated_delta_rule_equals_transformers_chunked_form(lengths):
     """Each ragged sequence from a random state equals transformers' chunked gated delta rule (its
-    prefill) with that initial state: outputs and final state."""
+    prefill) with that initial state: outputs and final state; a padding row's state is kept."""
     import torch
     from jpaged.models.gated_delta_net import gated_delta_rule, l2_normalize
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
     rng = np.random.default_rng(1)
-    lengths, heads, dk, dv = [1, 5, 70, 3], 2, 4, 3
+    heads, dk, dv = 2, 4, 3
     qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     t = int(qsl[-1])
     q, k = rng.standard_normal((2, t, heads, dk)).astype(np.float32)
@@ -64,6 +65,9 @@ def test_gated_delta_rule_equals_transformers_chunked_form():
     out, new_state = jax.jit(gated_delta_rule)(qn, kn, v, g, beta, state, qsl)
     for s in range(len(lengths)):
         part = slice(qsl[s], qsl[s + 1])
+        if not lengths[s]:
+            np.testing.assert_array_equal(np.asarray(new_state)[s], state[s])
+            continue
         ref, ref_state = torch_chunk_gated_delta_rule(
             *(torch.tensor(a[part])[None] for a in (q, k, v, g, beta)), initial_state=torch.tensor(state[s:s + 1]),
             output_final_state=True, use_qk_l2norm_in_kernel=True)
