@@ -17,12 +17,13 @@ import json
 import math
 import numbers
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from jpaged.utils import invalid_text_path
 
 
 _ASCII_INT = re.compile(r"-?[0-9]{1,18}")  # not str.isdigit: "²" and "١" are digits to it
+INT32_MAX = 2**31 - 1
 
 
 def _is_int(x) -> bool:
@@ -118,6 +119,18 @@ class StructuredOutputsParams:
         raise ValueError(f"response_format.type={kind!r}: expected 'text', 'json_object' or 'json_schema'")
 
 
+@dataclass(frozen=True)
+class PerRow:
+    """Field metadata ``"per_row"`` of a `SamplingParams` option that is a plain scalar per sample
+    row of the jitted sampler. The declaration carries it there: `SamplingBatch` gets a list of it and
+    `SamplingTensors` an ``[S]`` array of it, each named as the field (`PER_ROW_OPTIONS`), so a new
+    per-row option is one field of `SamplingParams` (its validation and its sampler stage aside)."""
+
+    dtype: str                 # numpy dtype of its array: "float32" or "int32"
+    pad: float | int           # the padding rows' value, one that changes nothing (temperature 0: greedy)
+    clamp: int | None = None   # a larger value is taken as this one (it must fit the dtype)
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request. ``temperature == 0`` means greedy.
@@ -126,17 +139,23 @@ class SamplingParams:
     """
 
     n: int = field(default=1, metadata={"help": "Samples per prompt (>= 1)"})
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (>= 0); 0 is greedy"})
+    temperature: float = field(default=1.0, metadata={
+        "help": "Sampling temperature (>= 0); 0 is greedy", "per_row": PerRow("float32", pad=0.0)})
     top_p: float = field(default=1.0, metadata={
-        "help": "Nucleus sampling: the smallest set of tokens holding this probability mass, in (0, 1]"})
-    top_k: int = field(default=0, metadata={"help": "Sample from the k most likely tokens (>= 0; 0: all)"})
+        "help": "Nucleus sampling: the smallest set of tokens holding this probability mass, in (0, 1]",
+        "per_row": PerRow("float32", pad=1.0)})
+    top_k: int = field(default=0, metadata={
+        "help": "Sample from the k most likely tokens (>= 0; 0: all)",
+        "per_row": PerRow("int32", pad=0, clamp=INT32_MAX)})  # any k past the vocabulary keeps every token
     min_p: float = field(default=0.0, metadata={
-        "help": "Drop tokens less likely than min_p times the most likely one, in [0, 1]"})
+        "help": "Drop tokens less likely than min_p times the most likely one, in [0, 1]",
+        "per_row": PerRow("float32", pad=0.0)})
     seed: int | None = field(default=None, metadata={
         "help": "Per-request sampling seed; unset: drawn from the engine's seed"})
     max_tokens: int | None = field(default=16, metadata={"help": "Most new tokens per sequence (>= 1)"})
     min_tokens: int = field(default=0, metadata={
-        "help": "New tokens before EOS or a stop may end a sequence (>= 0, at most max_tokens)"})
+        "help": "New tokens before EOS or a stop may end a sequence (>= 0, at most max_tokens)",
+        "per_row": PerRow("int32", pad=0, clamp=INT32_MAX)})  # more than any sequence reaches
     stop: str | list[str] | None = field(default=None, metadata={
         "help": "A string that ends the sequence when generated (not included in the text)"})
     stop_token_ids: list[int] | None = field(default=None, metadata={
@@ -145,12 +164,12 @@ class SamplingParams:
     logprobs: int | None = field(default=None, metadata={
         "help": "Top log-probabilities to return per output token, in [0, 20] (0: the sampled token's only)"})
     presence_penalty: float = field(default=0.0, metadata={
-        "help": "Penalty, in [-2, 2], on tokens already in the output"})
+        "help": "Penalty, in [-2, 2], on tokens already in the output", "per_row": PerRow("float32", pad=0.0)})
     frequency_penalty: float = field(default=0.0, metadata={
-        "help": "Penalty, in [-2, 2], per occurrence of a token in the output"})
+        "help": "Penalty, in [-2, 2], per occurrence of a token in the output", "per_row": PerRow("float32", pad=0.0)})
     repetition_penalty: float = field(default=1.0, metadata={
         "help": "Repetition penalty (> 0; 1: off): the positive logits of tokens in the prompt or output are "
-                "divided by it, the negative ones multiplied"})
+                "divided by it, the negative ones multiplied", "per_row": PerRow("float32", pad=1.0)})
     skip_special_tokens: bool = field(default=True, metadata={"help": "Leave special tokens out of the text"})
     include_stop_str_in_output: bool = field(default=False, metadata={
         "help": "Keep a stop string (or a stop token's text) in the text"})
@@ -252,6 +271,10 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+
+PER_ROW_OPTIONS: dict[str, PerRow] = {f.name: f.metadata["per_row"] for f in fields(SamplingParams)
+                                       if "per_row" in f.metadata}  # in field order
 
 
 def bad_word_token_ids(words, tokenizer) -> list[list[int]]:

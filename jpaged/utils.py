@@ -46,7 +46,8 @@ def pad_rows(rows: list, num_rows: int, width: int | None = None, fill=-1, dtype
         width = bucket(max(map(len, rows), default=0), 0)
     out = np.full((num_rows, width), fill, dtype)
     for i, r in enumerate(rows):
-        out[i, :len(r)] = r
+        if len(r):  # an empty row is all fill already (most rows of most steps' sampling lists)
+            out[i, :len(r)] = r
     return out
 
 

@@ -32,6 +32,10 @@ from jpaged.utils import cdiv
 
 _PROCESS_NONCE = os.urandom(8).hex()  # names the disk-tier entries of weights updated in this process
 
+# the first parent of an unsalted hash chain: an int, so that the chain is the same in every process
+# (before Python 3.12 hash(None) is None's address, different in each; the router and a multi-host
+# engine's processes compute the same chains)
+UNSALTED_ROOT = 0
 NULL_BLOCK = -1  # a table entry a window has released (the runner sends block 0, never read)
 
 
@@ -286,8 +290,8 @@ class KVCacheManager:
         part of the root of every hash chain, with the request's ``cache_salt``."""
         return ("weights_version", self.weights_version) if self.weights_version else ()
 
-    def _root_hash(self, cache_salt: str | None) -> int | None:
-        root = None if cache_salt is None else hash(("salt", cache_salt))
+    def _root_hash(self, cache_salt: str | None) -> int:
+        root = UNSALTED_ROOT if cache_salt is None else hash(("salt", cache_salt))
         extra = self._extra_keys()
         if extra:
             root = hash((root, extra))

@@ -143,7 +143,10 @@ class AsyncLLMEngine:
     """Serves an `LLMEngine` from a background thread.
 
     ``on_output(output, num_new_tokens, now)`` (optional) is called on the loop thread for every
-    output, aborted ones included: the server's Prometheus metrics hang there.
+    output, aborted ones included: the server's Prometheus metrics hang there. An engine with an
+    ``on_idle()`` method has it called on the loop thread each time the loop is about to wait for
+    work (`jpaged.serve.mirrored_engine.LeaderEngine` sends its followers the calls queued since
+    its last step).
     """
 
     def __init__(self, engine, *, max_queued_requests: int | None = None, on_output=None):
@@ -161,6 +164,7 @@ class AsyncLLMEngine:
         self.max_num_seqs = engine.max_num_seqs
         self._num_tokens: dict[str, int] = {}
         self._wakeup = threading.Event()
+        self._on_idle = getattr(engine, "on_idle", None)  # before each wait for work (a multi-host leader's)
         self._stopping = self._closed = False
         self._thread = threading.Thread(target=self._run, name="jpaged-engine", daemon=True)
         self._thread.start()
@@ -376,6 +380,11 @@ class AsyncLLMEngine:
             if self._stopping:
                 break
             if self.engine.paused or not self.engine.has_unfinished_requests():
+                if self._on_idle is not None:
+                    try:
+                        self._on_idle()
+                    except Exception:  # noqa: BLE001 -- the next step reports it to its requests
+                        logger.exception("on_idle failed")
                 self._wakeup.wait()
                 self._wakeup.clear()
                 continue

@@ -50,7 +50,7 @@ from jpaged.agents.tools import constrained_params
 from jpaged.engine.chat_template import apply_chat_template
 from jpaged.entrypoints.lora_adapters import ServedAdapters, add_lora_routes
 from jpaged.entrypoints.metrics import ServerMetrics
-from jpaged.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from jpaged.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_response
 from jpaged.logger import logger
 from jpaged.entrypoints.training_routes import TRAINING_ROUTES, add_training_routes
 from jpaged.lora.request import LoRARequest
@@ -59,17 +59,6 @@ from jpaged.utils import invalid_text_path, release_free_host_memory
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20  # a request body larger than this is a 413
 INLINE_BODY_BYTES = 64 * 2**10      # larger bodies are parsed on a worker thread, off the event loop
 DISCARD_BYTES = 64 * 2**20          # a body over the limit is read (and dropped) up to this, then cut
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param=None, code=None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-
-def error_response(status: int, message: str, type: str = "invalid_request_error", param=None, code=None):
-    return JSONResponse({"error": {"message": message, "type": type, "param": param, "code": code}},
-                        status_code=status)
 
 
 REQUEST_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)

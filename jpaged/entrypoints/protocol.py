@@ -8,34 +8,51 @@ vLLM's names (``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``st
 with ``extra_body``). Chat takes OpenAI's ``tools``, ``tool_choice`` and ``parallel_tool_calls``
 (checked in `jpaged.agents.tools`).
 """
+import dataclasses
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, StrictInt
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, StrictInt, create_model
 
-from jpaged.sampling_params import SamplingParams, StructuredOutputsParams
+from jpaged.sampling_params import PER_ROW_OPTIONS, SamplingParams, StructuredOutputsParams
+
+
+class APIError(Exception):
+    """A request the server refuses: its HTTP status and OpenAI error body fields."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param=None, code=None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+
+def error_response(status: int, message: str, type: str = "invalid_request_error", param=None, code=None):
+    """An OpenAI error body with ``status``."""
+    return JSONResponse({"error": {"message": message, "type": type, "param": param, "code": code}},
+                        status_code=status)
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+def _per_row_option_fields() -> dict:
+    """A request field per per-row sampling option (`PER_ROW_OPTIONS`: temperature, top_p, top_k,
+    min_p, min_tokens, the penalties), named and typed as its `SamplingParams` field; unset (None):
+    that field's default."""
+    types = {f.name: f.type for f in dataclasses.fields(SamplingParams)}
+    return {name: (types[name] | None, None) for name in PER_ROW_OPTIONS}
 
+
+_PerRowOptions = create_model("_PerRowOptions", __config__=ConfigDict(extra="ignore"), **_per_row_option_fields())
+
+
+class _SamplingRequest(_PerRowOptions):
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
     n: int = 1
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None  # token ids: real integers (not true, 1.0 or "1")
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -72,14 +89,12 @@ class _SamplingRequest(BaseModel):
     def _params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
                 ) -> SamplingParams:
         """Raises ValueError naming the field (SamplingParams' own checks)."""
+        per_row = {name: getattr(self, name) for name in PER_ROW_OPTIONS if getattr(self, name) is not None}
+        if per_row.get("top_k") == -1:  # vLLM's "every token"
+            per_row["top_k"] = 0
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None or self.top_k == -1 else self.top_k,
-            min_p=self.min_p or 0.0, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
+            n=self.n, **per_row, seed=self.seed, max_tokens=max_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
-            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
             logit_bias=self.logit_bias or None, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             structured_outputs=self.structured(), prompt_logprobs=prompt_logprobs)

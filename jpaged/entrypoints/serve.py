@@ -4,6 +4,9 @@
   jpaged-serve --model path/to/hf_dir --host 0.0.0.0 --port 8000 --api_key sk-local
   jpaged-serve --config smollm2-135m-instruct --max_num_seqs 64 --max_queued_requests 256
   jpaged-serve --model Qwen/Qwen3-0.6B --enable_auto_tool_choice --tool_call_parser hermes --reasoning_parser qwen3
+  jpaged-serve --distributed_executor ray --num_replicas 2 --model DIR          # Ray Serve replicas, one gateway
+  jpaged-serve --distributed_executor ray --tpu_topology v6e:4x4 --model DIR    # each replica a 4-host TPU slice
+  jpaged-serve --distributed_executor jax --model DIR   # on every host of one engine (a LeaderWorkerSet's pods)
 
 The engine loads and compiles its first step before the port opens, so ``GET /health`` answers 200
 as soon as it answers at all; then one line on stderr says so: ``jpaged: ready on
@@ -14,14 +17,15 @@ process exits 0.
 """
 import logging
 import os
-import signal
 import sys
 
 from absl import app, flags
 
 from jpaged.entrypoints import flag_help
 from jpaged.entrypoints.engine_flags import define_engine_flags, llm_args
-from jpaged.logger import configure_logging, logger
+from jpaged.entrypoints.server_app import app_from_options, draining_server, resolve_chat_template
+from jpaged.logger import configure_logging
+from jpaged.serve.multihost_replica import COORDINATOR_PORT, lws_defaults
 
 F = flags.FLAGS
 define_engine_flags()  # --model, --config and every engine setting (--help lists them, grouped)
@@ -53,9 +57,18 @@ flags.DEFINE_bool("enable_weight_updates", False, "Serve POST /update_weights (n
                   "this machine's disk; behind --api_key); off: 403")
 flags.DEFINE_multi_string("lora_modules", [], "LoRA adapters served under their own model names, each "
                           "name=path (a PEFT directory); needs --enable_lora")
-flags.DEFINE_enum("distributed_executor", None, ["ray"], "Run the engine replicas as Ray Serve replicas behind a "
-                  "KV-cache-aware gateway (needs `pip install jpaged[ray]`); default: one engine in this process")
+flags.DEFINE_enum("distributed_executor", None, ["ray", "jax"], "ray: run the engine replicas as Ray Serve replicas "
+                  "behind a KV-cache-aware gateway (needs `pip install jpaged[ray]`); jax: this process is one host of "
+                  "an engine spanning hosts, started with the others by something else (a Kubernetes LeaderWorkerSet): "
+                  "process 0 serves, the others follow its engine calls (--coordinator_address, --num_processes, "
+                  "--process_id); default: one engine in this process")
 flags.DEFINE_integer("num_replicas", 1, "Engine replicas (with --distributed_executor ray), each on its own devices")
+flags.DEFINE_integer("num_hosts_per_replica", None, "Hosts of each replica's engine (with --distributed_executor ray): "
+                     "one Ray actor per host in a placement group, jax.distributed across them, the first serves; "
+                     "default: 1, or --tpu_topology's hosts")
+flags.DEFINE_string("tpu_topology", None, "With --distributed_executor ray: each replica reserves a whole TPU slice of "
+                    "this version and topology, e.g. v6e:4x4 (ray.util.tpu's slice placement group, one host per "
+                    "bundle)")
 flags.DEFINE_enum("routing", "prefix", ["prefix", "least_loaded", "round_robin"], "How the gateway picks a replica "
                   "(with --distributed_executor ray): the longest cached prefix (then the least loaded), the least "
                   "loaded (queue, then KV use), or in turn")
@@ -63,10 +76,15 @@ flags.DEFINE_string("ray_address", None, "The Ray cluster to join (default: RAY_
 flags.DEFINE_float("num_cpus_per_replica", 1.0, "CPUs Ray reserves for each replica")
 flags.DEFINE_float("num_gpus_per_replica", 0.0, "GPUs Ray gives each replica (its devices)")
 flags.DEFINE_float("num_tpus_per_replica", 0.0, "TPU chips Ray gives each replica (its devices)")
+_LWS = lws_defaults()
+flags.DEFINE_string("coordinator_address", _LWS["coordinator_address"], "With --distributed_executor jax: host:port "
+                    "of process 0's jax.distributed coordinator (default: $LWS_LEADER_ADDRESS:"
+                    f"{COORDINATOR_PORT})")
+flags.DEFINE_integer("num_processes", _LWS["num_processes"], "With --distributed_executor jax: the engine's processes, "
+                     "one per host (default: $LWS_GROUP_SIZE)")
+flags.DEFINE_integer("process_id", _LWS["process_id"], "With --distributed_executor jax: this process's index, 0 "
+                     "serves (default: $LWS_WORKER_INDEX)")
 flags.DEFINE_enum("log_level", "info", ["critical", "error", "warning", "info", "debug"], "uvicorn log level")
-
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
 
 def server_options() -> dict:
     """The server's settings from the flags, as plain values: what `app_from_options` (here, or in
@@ -78,95 +96,13 @@ def server_options() -> dict:
             "max_request_body_bytes": F.max_request_body_bytes,
             "allowed_origins": list(F.allowed_origins or ()), "enable_weight_updates": F.enable_weight_updates,
             "tool_call_parser": F.tool_call_parser, "reasoning_parser": F.reasoning_parser,
-            "enable_auto_tool_choice": F.enable_auto_tool_choice, "lora_modules": list(F.lora_modules)}
-
-
-def served_name(options: dict) -> str:
-    model = options["model"]
-    return options.get("served_model_name") or (model.rstrip("/") if model else DEFAULT_MODEL_NAME)
-
-
-def resolve_chat_template(chat_template: str | None) -> str | None:
-    """``chatml_tools``, a file holding a template, or the template itself."""
-    if chat_template == "chatml_tools":
-        from jpaged.agents.templates import CHATML_TOOLS_TEMPLATE
-
-        return CHATML_TOOLS_TEMPLATE
-    if chat_template and os.path.isfile(chat_template):
-        with open(chat_template) as f:
-            return f.read()
-    return chat_template
-
-
-def app_from_options(options: dict):
-    """Loads the engine (warm-up included) and returns the FastAPI app for `server_options`' settings."""
-    from jpaged.entrypoints.async_engine import AsyncLLMEngine
-    from jpaged.entrypoints.lora_adapters import parse_lora_modules
-    from jpaged.entrypoints.openai_server import check_allowed_origins, create_app
-
-    allowed_origins = check_allowed_origins(options["allowed_origins"])  # a bad one fails before the model loads
-    kwargs = dict(options["engine_kwargs"])
-    kwargs.setdefault("precompile", True)  # no compilation inside a request's latency
-    async_engine = AsyncLLMEngine.from_args(options["model"], max_queued_requests=options["max_queued_requests"],
-                                            **kwargs)
-    return create_app(async_engine, served_model_name=served_name(options), api_key=options["api_key"],
-                      chat_template=resolve_chat_template(options["chat_template"]),
-                      max_body_bytes=options["max_request_body_bytes"], allowed_origins=allowed_origins,
-                      enable_weight_updates=options["enable_weight_updates"],
-                      tool_call_parser=options["tool_call_parser"], reasoning_parser=options["reasoning_parser"],
-                      enable_auto_tool_choice=options["enable_auto_tool_choice"],
-                      lora_modules=parse_lora_modules(options["lora_modules"]))
+            "enable_auto_tool_choice": F.enable_auto_tool_choice, "lora_modules": list(F.lora_modules),
+            "shutdown_timeout": F.shutdown_timeout}
 
 
 def build_app():
     """Loads the engine (warm-up included) and returns the FastAPI app."""
     return app_from_options(server_options())
-
-
-def ready_line(app, url: str) -> str:
-    """The one line that says the server is up: where, what, and the KV pool it serves from."""
-    serving = app.state.serving
-    engine = serving.engine.engine
-    replica = getattr(engine, "replicas", [engine])[0]  # a data-parallel engine: each replica's pool
-    return (f"ready on {url} ({serving.model_name}, {replica.num_blocks} blocks of {replica.config.cache.block_size} "
-            f"tokens, max_model_len {engine.max_model_len})")
-
-
-FLUSH_SECONDS = 5.0  # after a drain, what the connections get to send their last chunks
-
-
-def draining_server(app, **config):
-    """A uvicorn server whose shutdown first drains the app (`openai_server.drain`), and that exits
-    normally on SIGTERM (uvicorn re-raises the signal it caught, which ends the process with it)."""
-    import uvicorn
-
-    from jpaged.entrypoints.openai_server import drain
-
-    class DrainingServer(uvicorn.Server):
-        def handle_exit(self, sig, frame):
-            if sig == signal.SIGTERM and not self.should_exit:
-                self.should_exit = True  # handled in full: not raised again on the way out
-            else:
-                super().handle_exit(sig, frame)
-
-        async def startup(self, sockets=None):
-            await super().startup(sockets)
-            if self.started:  # listening, the engine warm: /health answers 200 from now on
-                address = self.servers[0].sockets[0].getsockname()
-                if isinstance(address, tuple):  # (host, port[, flow, scope]); a Unix socket's is its path
-                    host, port = address[:2]
-                    address = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-                logger.info("%s", ready_line(app, address))
-
-        async def shutdown(self, sockets=None):
-            if not self.force_exit:
-                aborted = await drain(app, F.shutdown_timeout)
-                if aborted:
-                    logger.warning("drain: %d request(s) still running after %g s were "
-                                                        "aborted", aborted, F.shutdown_timeout)
-            await super().shutdown(sockets)
-
-    return DrainingServer(uvicorn.Config(app, timeout_graceful_shutdown=FLUSH_SECONDS, **config))
 
 
 def main(argv):
@@ -178,9 +114,17 @@ def main(argv):
 
         run(server_options(), host=F.host, port=F.port, address=F.ray_address, num_replicas=F.num_replicas,
             routing=F.routing, num_cpus=F.num_cpus_per_replica, num_gpus=F.num_gpus_per_replica,
-            num_tpus=F.num_tpus_per_replica)
+            num_tpus=F.num_tpus_per_replica, num_hosts_per_replica=F.num_hosts_per_replica,
+            tpu_topology=F.tpu_topology)
         return
-    draining_server(build_app(), host=F.host, port=F.port, log_level=F.log_level).run()
+    if F.distributed_executor == "jax":
+        from jpaged.serve.multihost_replica import run_process
+
+        run_process(server_options(), coordinator=F.coordinator_address, num_processes=F.num_processes,
+                    process_id=F.process_id, host=F.host, port=F.port, log_level=F.log_level)
+        return
+    draining_server(build_app(), shutdown_timeout=F.shutdown_timeout, host=F.host, port=F.port,
+                    log_level=F.log_level).run()
 
 
 def run():

@@ -12,6 +12,8 @@ import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from jpaged.entrypoints.protocol import APIError
+
 TRAINING_ROUTES = ("/pause", "/resume", "/sleep", "/wake_up", "/update_weights", "/is_paused", "/is_sleeping")
 
 
@@ -23,16 +25,12 @@ class UpdateWeightsRequest(pydantic.BaseModel):
 def _query_flag(raw: Request, name: str) -> bool:
     value = raw.query_params.get(name, "false").lower()
     if value not in ("true", "false", "1", "0"):
-        from jpaged.entrypoints.openai_server import APIError
-
         raise APIError(400, f"{name}: expected true or false, got {value!r}", param=name)
     return value in ("true", "1")
 
 
 def add_training_routes(app: FastAPI, serving, *, enable_weight_updates: bool) -> None:
     """Adds the routes to ``app`` (``serving``: its `OpenAIServing`, for body parsing and the engine)."""
-    from jpaged.entrypoints.openai_server import APIError
-
     engine = serving.engine
 
     async def run(call):

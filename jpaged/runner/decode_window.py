@@ -26,15 +26,15 @@ def next_decode_step(md, tokens, block_size: int):
     return jnp.where(real, tokens[:real.shape[0]], 0), md
 
 
-def decode_window(logits_fn, params, kv_caches, input_ids, md, logits_indices, sampling, min_tokens, num_steps, *,
+def decode_window(logits_fn, params, kv_caches, input_ids, md, logits_indices, sampling, num_steps, *,
                   max_steps: int, block_size: int, vocab_size: int):
     """Up to ``max_steps`` decode steps in a loop of ``num_steps`` (a run-time count).
 
     Args:
       logits_fn: ``(params, kv_caches, input_ids, md, logits_indices) -> (logits [R, V], kv_caches)``,
         one whole forward.
-      sampling: the rows' `SamplingTensors`; min_tokens: int32 [R]: a row's banned tokens (EOS and
-        stop tokens) stay banned until it has this many output tokens.
+      sampling: the rows' `SamplingTensors`; a row's banned tokens (EOS and stop tokens) stay
+        banned until it has ``sampling.min_tokens`` output tokens.
 
     Returns:
       The sampled tokens, logprobs, top ids and top logprobs of every step, each
@@ -44,7 +44,7 @@ def decode_window(logits_fn, params, kv_caches, input_ids, md, logits_indices, s
         kv_caches, input_ids, md, outs = carry
         logits, kv_caches = logits_fn(params, kv_caches, input_ids, md, logits_indices)
         steps = sampling.steps + i  # each row's output tokens so far: its draw's key, its bans
-        banned = jnp.where((steps < min_tokens)[:, None], sampling.banned_token_ids, -1)
+        banned = jnp.where((steps < sampling.min_tokens)[:, None], sampling.banned_token_ids, -1)
         sampled = sample(logits, dataclasses.replace(sampling, steps=steps, banned_token_ids=banned))
         outs = tuple(o.at[i].set(x) for o, x in zip(outs, sampled))
         input_ids, md = next_decode_step(md, sampled[0], block_size)

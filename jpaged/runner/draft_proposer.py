@@ -148,8 +148,7 @@ class DraftModelProposer:
             slot_mapping=jnp.where(real, block * bs + pos % bs, -1), block_tables=tables,
             seq_lens=jnp.where(real, pos + 1, 0), query_start_loc=jnp.minimum(jnp.arange(s + 1), num_proposing),
             num_seqs=num_proposing, positions=jnp.where(real, pos, 0), decode_only=self.decode_only)
-        outs, kv_caches = loop(state, kv_caches, jnp.where(real, last, 0), md, jnp.arange(s), greedy,
-                               jnp.zeros(s, jnp.int32), num_steps)
+        outs, kv_caches = loop(state, kv_caches, jnp.where(real, last, 0), md, jnp.arange(s), greedy, num_steps)
         return outs[0], kv_caches
 
 

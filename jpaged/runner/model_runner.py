@@ -35,7 +35,8 @@ from jpaged.runner.kv_pool import KVPool
 from jpaged.runner.layer_pieces import LayerPieces
 from jpaged.sample.rejection_sampler import num_accepted
 from jpaged.sample.sampler import (prompt_logprob_tensors, prompt_logprobs, sample, sampling_tensors)
-from jpaged.sample.sampling_batch import SamplingBatch
+from jpaged.sample.sampling_batch import SamplingBatch, per_row_values
+from jpaged.sampling_params import SamplingParams
 
 
 def _take_rows(x, indices):
@@ -232,11 +233,9 @@ class ModelRunner:
         prepared = time.perf_counter()
         with jax.set_mesh(self.mesh):
             if out.num_steps > 1:
-                min_tokens = np.zeros(inputs.num_rows, np.int32)
-                min_tokens[:n] = out.sampling.min_tokens
                 sampled, self.kv_pool.caches = self.counter.call(
                     "window", self._window, self._params(), self.kv_pool.caches, inputs.input_ids, md,
-                    inputs.logits_indices, sampling, min_tokens, np.int32(out.num_steps), num_fixed=2)
+                    inputs.logits_indices, sampling, np.int32(out.num_steps), num_fixed=2)
                 sampled = [np.asarray(a) for a in sampled]  # each [max steps, rows, ...]
                 results = [StepResult(*(a[i, :n] for a in sampled)) for i in range(out.num_steps)]
             else:
@@ -388,16 +387,13 @@ class ModelRunner:
                     _, self.kv_pool.caches = self.counter.call(
                         "window", self._window, self._params(), self.kv_pool.caches, np.zeros(t_pad, np.int32), md,
                         np.zeros(rows, np.int32), sampling_tensors(batch, rows, self.processed_logprobs),
-                        np.zeros(rows, np.int32),
                         np.int32(0), num_fixed=2)
 
 
 def plain_sampling(rows: int) -> list[SamplingBatch]:
     """The sampling of ``rows`` rows that precompiling covers: greedy, and sampled without penalties
     or filters."""
-    return [SamplingBatch(temperature=[t] * rows, top_k=[0] * rows, top_p=[1.0] * rows, min_p=[0.0] * rows,
-                          seeds=[0] * rows, steps=[0] * rows, min_tokens=[0] * rows,
-                          presence_penalty=[0.0] * rows, frequency_penalty=[0.0] * rows,
-                          repetition_penalty=[1.0] * rows, banned_token_ids=[[]] * rows, bias=[[]] * rows,
+    return [SamplingBatch(**per_row_values([SamplingParams(temperature=t)] * rows), seeds=[0] * rows,
+                          steps=[0] * rows, banned_token_ids=[[]] * rows, bias=[[]] * rows,
                           allowed_token_ids=[[]] * rows, token_bitmask=np.zeros((rows, 0), np.int32))
             for t in (0.0, 1.0)]

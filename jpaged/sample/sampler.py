@@ -23,34 +23,32 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jpaged.sample.per_row import per_row_fields
 from jpaged.sample.sampling_batch import SamplingBatch
+from jpaged.sampling_params import PER_ROW_OPTIONS
 from jpaged.utils import bucket, pad_rows, padded_ids
 from pallas_kernels import cpu
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["temperature", "top_k", "top_p", "min_p", "seeds", "steps",
-                                "presence_penalty", "frequency_penalty", "repetition_penalty",
-                                "output_token_ids", "prompt_token_ids", "banned_token_ids",
-                                "bias_token_ids", "bias_values", "allowed_token_ids", "has_allowed",
-                                "token_bitmask"],
-                   meta_fields=["num_logprobs", "use_filters", "use_penalties", "all_greedy", "processed_logprobs"])
+def _static(default):
+    """A static `SamplingTensors` field (pytree metadata): a Python value the trace depends on, not an array."""
+    return dataclasses.field(default=default, metadata={"static": True})
+
+
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass
+@per_row_fields(jax.Array)
 class SamplingTensors:
-    """Per-row sampling parameters [S]; token-id arrays are padded with -1.
+    """The sampler's inputs, padded to the row bucket [S]: an array per per-row option of
+    `SamplingParams` (`PER_ROW_OPTIONS`: ``temperature``, ``top_k``, ``top_p``, ``min_p``,
+    ``min_tokens``, the penalties; keyword-only fields added by `per_row_fields`, of the dtype each
+    declares), and the special inputs below; token-id arrays are padded with -1.
 
     A ``[S, 0]`` array means no row of the batch uses that option: its stage is not traced.
     """
 
-    temperature: jax.Array
-    top_k: jax.Array
-    top_p: jax.Array
-    min_p: jax.Array
     seeds: jax.Array              # uint32 [S]
     steps: jax.Array              # int32 [S]: tokens this sequence has generated so far
-    presence_penalty: jax.Array
-    frequency_penalty: jax.Array
-    repetition_penalty: jax.Array
     output_token_ids: jax.Array   # [S, Lo] (Lo = 0 without penalties)
     prompt_token_ids: jax.Array   # [S, Lp]
     banned_token_ids: jax.Array   # [S, Lb]
@@ -59,11 +57,21 @@ class SamplingTensors:
     allowed_token_ids: jax.Array  # [S, La]
     has_allowed: jax.Array        # bool [S]: the row restricts itself to allowed_token_ids
     token_bitmask: jax.Array      # int32 [S, W]: bit v % 32 of word v // 32 allows token v (W = 0: none)
-    num_logprobs: int = 0         # top logprobs to return per row (static)
-    use_filters: bool = False     # any top-k / top-p / min-p (static)
-    use_penalties: bool = False   # any penalty (static)
-    all_greedy: bool = True       # no row samples: skip the random numbers (static)
-    processed_logprobs: bool = False  # logprobs of the distribution sampled from, not the model's (static)
+    num_logprobs: int = _static(0)         # top logprobs to return per row
+    use_filters: bool = _static(False)     # any top-k / top-p / min-p
+    use_penalties: bool = _static(False)   # any penalty
+    all_greedy: bool = _static(True)       # no row samples: skip the random numbers
+    processed_logprobs: bool = _static(False)  # logprobs of the distribution sampled from, not the model's
+
+
+_PER_ROW_ARRAYS = [(name, option.pad, np.dtype(option.dtype)) for name, option in PER_ROW_OPTIONS.items()]
+
+
+def _per_row_arrays(batch: SamplingBatch, s_pad: int) -> dict[str, np.ndarray]:
+    """Each per-row option's ``[s_pad]`` array: its rows' values, then its pad."""
+    fill = s_pad - batch.num_rows
+    return {name: np.array(getattr(batch, name) + [pad] * fill if fill else getattr(batch, name), dtype)
+            for name, pad, dtype in _PER_ROW_ARRAYS}
 
 
 def sampling_tensors(batch: SamplingBatch, s_pad: int, processed_logprobs: bool = False) -> SamplingTensors:
@@ -71,22 +79,14 @@ def sampling_tensors(batch: SamplingBatch, s_pad: int, processed_logprobs: bool 
     padded with -1 to a power-of-two width, 0 for an option no row uses, so shapes come from a small
     set and an unused stage is not traced. ``processed_logprobs``: the engine's ``logprobs_mode``."""
     pad = s_pad - batch.num_rows
-    f32 = lambda vals, fill: np.array(list(vals) + [fill] * pad, np.float32)  # noqa: E731
-    i32 = lambda vals, fill: np.array(list(vals) + [fill] * pad, np.int32)  # noqa: E731
     empty = np.zeros((s_pad, 0), np.int32)
     mask = np.full((s_pad, batch.token_bitmask.shape[1]), -1, np.int32)
     mask[:batch.num_rows] = batch.token_bitmask
     bias = batch.bias
     return SamplingTensors(
-        temperature=f32(batch.temperature, 0.0),
-        top_k=i32(batch.top_k, 0),
-        top_p=f32(batch.top_p, 1.0),
-        min_p=f32(batch.min_p, 0.0),
+        **_per_row_arrays(batch, s_pad),
         seeds=np.array(list(batch.seeds) + [0] * pad, np.uint32),
-        steps=i32(batch.steps, 0),
-        presence_penalty=f32(batch.presence_penalty, 0.0),
-        frequency_penalty=f32(batch.frequency_penalty, 0.0),
-        repetition_penalty=f32(batch.repetition_penalty, 1.0),
+        steps=np.array(list(batch.steps) + [0] * pad, np.int32),
         output_token_ids=pad_rows(batch.output_token_ids, s_pad) if batch.use_penalties else empty,
         prompt_token_ids=pad_rows(batch.prompt_token_ids, s_pad) if batch.use_penalties else empty,
         banned_token_ids=pad_rows(batch.banned_token_ids, s_pad),

@@ -6,28 +6,25 @@ sampler's `SamplingTensors` (`jpaged.sample.sampler.sampling_tensors`). Nothing 
 """
 import zlib
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import numpy as np
 
 from jpaged.sample import structured_output
-
-INT32_MAX = 2**31 - 1
+from jpaged.sample.per_row import per_row_fields
+from jpaged.sampling_params import PER_ROW_OPTIONS, SamplingParams
 
 
 @dataclass
+@per_row_fields(list, default_factory=list)
 class SamplingBatch:
-    """Per sample row (``len(temperature)`` rows), unpadded. Token-id lists may differ in length."""
+    """Per sample row (``len(seeds)`` rows), unpadded: a list per per-row option of `SamplingParams`
+    (`PER_ROW_OPTIONS`: temperature, top_k, top_p, min_p, min_tokens, the penalties; keyword-only
+    fields added by `per_row_fields`), and the rows' special values below. Token-id lists may differ
+    in length."""
 
-    temperature: list[float] = field(default_factory=list)
-    top_k: list[int] = field(default_factory=list)
-    top_p: list[float] = field(default_factory=list)
-    min_p: list[float] = field(default_factory=list)
     seeds: list[int] = field(default_factory=list)        # uint32: the row's random stream
     steps: list[int] = field(default_factory=list)        # output tokens the sequence has so far
-    min_tokens: list[int] = field(default_factory=list)   # EOS and stop tokens banned below this
-    presence_penalty: list[float] = field(default_factory=list)
-    frequency_penalty: list[float] = field(default_factory=list)
-    repetition_penalty: list[float] = field(default_factory=list)
     output_token_ids: list[list[int]] = field(default_factory=list)  # only with penalties
     prompt_token_ids: list[list[int]] = field(default_factory=list)  # only with penalties
     banned_token_ids: list[list[int]] = field(default_factory=list)
@@ -40,11 +37,27 @@ class SamplingBatch:
 
     @property
     def num_rows(self) -> int:
-        return len(self.temperature)
+        return len(self.seeds)
 
     @property
     def all_greedy(self) -> bool:
         return all(t == 0 for t in self.temperature)
+
+
+_PER_ROW_NAMES = tuple(PER_ROW_OPTIONS)
+_per_row_of = attrgetter(*_PER_ROW_NAMES)  # a tuple per row (there are several options)
+_CLAMPS = [(name, option.clamp) for name, option in PER_ROW_OPTIONS.items() if option.clamp is not None]
+
+
+def per_row_values(params: list[SamplingParams]) -> dict[str, list]:
+    """Each per-row option's values over the rows of ``params`` (clamped where it declares a clamp):
+    `SamplingBatch`'s per-row fields (empty without rows)."""
+    values = {name: list(column) for name, column in zip(_PER_ROW_NAMES, zip(*map(_per_row_of, params)))}
+    for name, clamp in _CLAMPS:
+        column = values.get(name)
+        if column and max(column) > clamp:
+            values[name] = [min(v, clamp) for v in column]
+    return values
 
 
 def banned_tokens(request, seq) -> list[int]:
@@ -104,16 +117,9 @@ def build_sampling_batch(rows, engine_seed: int) -> SamplingBatch:
         seeds.append(zlib.crc32(f"{base}/{index}".encode()))
     use_penalties = any(p.uses_penalties for p in params)
     return SamplingBatch(
-        temperature=[p.temperature for p in params],
-        top_k=[min(p.top_k, INT32_MAX) for p in params],  # any k past the vocabulary keeps every token
-        top_p=[p.top_p for p in params],
-        min_p=[p.min_p for p in params],
+        **per_row_values(params),
         seeds=seeds,
         steps=[seq.num_output_tokens for _, seq, _ in rows],
-        min_tokens=[p.min_tokens for p in params],
-        presence_penalty=[p.presence_penalty for p in params],
-        frequency_penalty=[p.frequency_penalty for p in params],
-        repetition_penalty=[p.repetition_penalty for p in params],
         output_token_ids=[seq.output_token_ids for _, seq, _ in rows] if use_penalties else [],
         prompt_token_ids=[seq.token_ids[:seq.num_prompt_tokens] for _, seq, _ in rows] if use_penalties else [],
         banned_token_ids=[banned_tokens(request, seq) for request, seq, _ in rows],

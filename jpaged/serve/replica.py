@@ -19,12 +19,12 @@ def _cached_block_hashes(engine) -> list[int]:
 
 
 class EngineReplicaServer:
-    """The server ``app_from_options(options)`` builds, answering forwarded requests."""
+    """The server ``app_from_options(options, engine)`` builds, answering forwarded requests."""
 
-    def __init__(self, options: dict):
-        from jpaged.entrypoints.serve import app_from_options
+    def __init__(self, options: dict, engine=None):
+        from jpaged.entrypoints.server_app import app_from_options
 
-        self.app = app_from_options(options)
+        self.app = app_from_options(options, engine)
         self.engine = self.app.state.serving.engine  # the AsyncLLMEngine
 
     def stream(self, method: str, path: str, query: bytes, headers: list, body: bytes):
@@ -48,6 +48,10 @@ class EngineReplicaServer:
 
     def pid(self) -> int:
         return os.getpid()
+
+    async def check_health(self) -> None:
+        if not self.engine.is_running:
+            raise RuntimeError("the engine loop stopped")
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -5,13 +5,15 @@ Replicas report the keys of their prefix cache (`BlockPool.cached`: the hash cha
 `KVCacheManager` computes over full blocks, the request's ``cache_salt`` at its root) and their load.
 `prompt_block_hashes` computes the same chain for a prompt, so a request matches a replica's blocks
 exactly when that replica's prefix cache would find them. Python hashes tuples of ints the same in
-every process; a salted root hashes a string, which matches across processes only when they share
+every process (an unsalted chain's root is the int `UNSALTED_ROOT`, not None); a salted root hashes a string, which matches across processes only when they share
 ``PYTHONHASHSEED`` (the Ray Serve app sets one for all its actors); otherwise salted prompts match
 nothing and are routed by load, never to another salt's blocks.
 """
 import dataclasses
 import itertools
 import time
+
+from jpaged.core.kv_cache_manager import UNSALTED_ROOT
 
 POLICIES = ("prefix", "least_loaded", "round_robin")
 
@@ -20,7 +22,7 @@ def prompt_block_hashes(token_ids, block_size: int, cache_salt: str | None = Non
     """The prefix-cache keys of the prompt's full blocks that a cache lookup can hit (the last
     token is always recomputed, so ``(len - 1) // block_size`` of them), as `KVCacheManager` keys
     them (kv cache group 0, weights never updated)."""
-    parent = None if cache_salt is None else hash(("salt", cache_salt))
+    parent = UNSALTED_ROOT if cache_salt is None else hash(("salt", cache_salt))
     keys = []
     for i in range(max(0, (len(token_ids) - 1) // block_size)):
         parent = hash((parent, tuple(token_ids[i * block_size:(i + 1) * block_size])))

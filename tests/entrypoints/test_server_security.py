@@ -247,7 +247,7 @@ def test_the_ready_line_is_logged_once_health_answers(srv):
     """serve.py's server in this process, on port 0: one ready line naming the port it got, the
     model and the pool, logged when /health answers 200. (The SIGTERM test of test_server_limits.py
     reads it from a scripts/serve.py process.)"""
-    from jpaged.entrypoints.serve import draining_server
+    from jpaged.entrypoints.server_app import draining_server
 
     handler = Records()
     logging.getLogger("jpaged").addHandler(handler)

@@ -20,7 +20,8 @@ def tensors(num_rows, **kw):
     f = lambda v: np.full(num_rows, v, np.float32)  # noqa: E731
     empty = np.zeros((num_rows, 0), np.int32)
     args = dict(temperature=f(1.0), top_k=np.zeros(num_rows, np.int32), top_p=f(1.0), min_p=f(0.0),
-                seeds=np.zeros(num_rows, np.uint32), steps=np.zeros(num_rows, np.int32),
+                min_tokens=np.zeros(num_rows, np.int32), seeds=np.zeros(num_rows, np.uint32),
+                steps=np.zeros(num_rows, np.int32),
                 presence_penalty=f(0.0), frequency_penalty=f(0.0), repetition_penalty=f(1.0),
                 output_token_ids=empty, prompt_token_ids=empty, banned_token_ids=empty,
                 bias_token_ids=empty, bias_values=np.zeros((num_rows, 0), np.float32),

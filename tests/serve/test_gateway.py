@@ -157,6 +157,24 @@ def test_prompt_block_hashes_are_the_prefix_cache_keys(front, servers):
     assert prompt_block_hashes(tokens, BLOCK, "a") != prompt_block_hashes(tokens, BLOCK, "b")
 
 
+def test_unsalted_hash_chains_are_the_same_in_every_process():
+    """The gateway's router and a replica (or a multi-host engine's hosts) run in different
+    processes: an unsalted chain must not hash anything whose hash is an address (None, before
+    Python 3.12); a salted one is the same under one PYTHONHASHSEED."""
+    import os
+    import subprocess
+    import sys
+
+    tokens = list(range(3, 3 + 3 * BLOCK + 1))
+    code = (f"from jpaged.serve.routing import prompt_block_hashes; "
+            f"print(prompt_block_hashes({tokens}, {BLOCK}), prompt_block_hashes({tokens}, {BLOCK}, 'a'))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "PYTHONHASHSEED": "7"}
+    outputs = {subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                              timeout=120).stdout for _ in range(2)}
+    assert len(outputs) == 1
+    assert outputs.pop().split("] [")[0] == str(prompt_block_hashes(tokens, BLOCK))[:-1]
+
+
 def test_multi_turn_chat_stays_on_its_replica(front):
     """Each conversation's later turns go where its earlier ones are cached; a salted copy of the
     same conversation does not count the unsalted blocks as its own."""
