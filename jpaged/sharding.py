@@ -202,6 +202,15 @@ def zeros_sharded(shape, dtype, sharding: NamedSharding | Format) -> jax.Array:
     return _zeros_fn(tuple(shape), jnp.dtype(dtype), sharding)()
 
 
+def state_pool_sharding(mesh: Mesh, shape: tuple, head_axis: int | None) -> NamedSharding:
+    """A recurrent-state pool array ``[num_slots, *state]`` split on its state's ``head_axis`` when the
+    heads divide by the ``model`` axis, else replicated (a convolution's inputs are)."""
+    tp = mesh.shape[MODEL_AXIS]
+    if head_axis is None or shape[1 + head_axis] % tp:
+        return NamedSharding(mesh, P())
+    return NamedSharding(mesh, P(*[MODEL_AXIS if d == 1 + head_axis else None for d in range(len(shape))]))
+
+
 def model_axis_size() -> int:
     """Size of the ``model`` axis of the mesh being traced under (1 when there is none)."""
     mesh = jax.sharding.get_abstract_mesh()

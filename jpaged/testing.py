@@ -32,3 +32,9 @@ def swap_space(llm_or_engine):
     """The host blocks of swapped-out requests (`jpaged.core.swap_space.SwapSpace`: ``swapped``,
     ``num_used_blocks``)."""
     return engine_of(llm_or_engine).scheduler.swap_space
+
+
+def state_slots(llm_or_engine):
+    """The recurrent-state slots of a model with recurrent layers
+    (`jpaged.core.recurrent_state.RecurrentStateCache`: ``slots``, ``num_free_slots``), else None."""
+    return engine_of(llm_or_engine).scheduler.recurrent_state

@@ -158,7 +158,9 @@ def main(argv):
         fail(e)
     print(f"\n{result.target}, {result.num_devices} chip(s) of {mib(result.hbm_bytes)}; per chip: weights "
           f"{mib(result.weight_bytes)}, KV pool {result.num_blocks} blocks x {result.kv_bytes_per_block} bytes = "
-          f"{mib(result.kv_pool_bytes)}, temporaries up to {mib(result.max_temp_bytes)}, code "
+          f"{mib(result.kv_pool_bytes)}, "
+          f"{f'recurrent states {mib(result.state_pool_bytes)}, ' if result.state_pool_bytes else ''}temporaries up to "
+          f"{mib(result.max_temp_bytes)}, code "
           f"{mib(result.generated_code_bytes)}; {result.max_batch_at_max_model_len} sequences of max_model_len "
           f"fit; {sum(s.ok for s in result.steps)} of {len(result.steps)} step shapes compiled in "
           f"{result.compile_seconds:.0f} s; {'fits' if result.fits else 'DOES NOT FIT'}"

@@ -13,21 +13,32 @@ Grouping: with ``g`` the fewest layers of any attention type, a type with ``c`` 
 tensor ``j // n``), so a pattern that repeats (Gemma 3: five sliding-window layers, one global)
 gives every repeat the same (group, tensor) pattern. Global groups come first, then windows from
 the smallest. Gemma 3 12B (48 layers, 40 windowed): 1 global and 5 windowed groups of 8 layers.
+
+Recurrent layers (`RECURRENT`: gated delta-net linear attention) keep no KV: a fixed-size state
+per sequence, in a state pool of their own (`jpaged.core.recurrent_state`). They belong to no
+group: layer j of them is ``(RECURRENT_GROUP, num_tensors + j)``, its state pool following the KV
+pool tensors in the list of caches the model takes. Qwen3-Next (48 layers, every fourth full):
+one global group of 12 tensors, then 36 state pools.
 """
 from dataclasses import dataclass
 
 from jpaged.utils import cdiv
+
+RECURRENT = "recurrent"  # a layer's kind, in place of its window: it keeps a recurrent state, no KV
+RECURRENT_GROUP = -1     # the group of a recurrent layer's (group, tensor) pair
 
 
 @dataclass(frozen=True)
 class KVCacheLayout:
     """``group_windows[g]``: group g's sliding window (None: global); ``layers[i]``: (group, pool
     tensor) of layer i; ``num_tensors``: pool tensors (each ``[kv_heads, num_blocks, block_size,
-    head_dim]`` pages)."""
+    head_dim]`` pages); ``num_recurrent``: recurrent layers (their state pools come after the
+    tensors)."""
 
     group_windows: tuple[int | None, ...]
     layers: tuple[tuple[int, int], ...]
     num_tensors: int
+    num_recurrent: int = 0
 
     @property
     def num_groups(self) -> int:
@@ -35,8 +46,9 @@ class KVCacheLayout:
 
     @property
     def is_trivial(self) -> bool:
-        """One group, so a pool tensor per layer (every model whose layers share one window or none)."""
-        return self.num_groups == 1
+        """One group and no recurrent layer, so a pool tensor per layer (every model whose layers
+        share one window or none)."""
+        return self.num_groups == 1 and not self.num_recurrent
 
     def max_blocks_per_seq(self, num_tokens: int, block_size: int, max_new_tokens: int) -> int:
         """The most blocks (all groups) one sequence of ``num_tokens`` holds at once when a step
@@ -62,8 +74,10 @@ class KVCacheLayout:
 
 
 def kv_cache_layout(layer_windows) -> KVCacheLayout:
-    """The groups of layers with these sliding windows (None: global), as the module docstring says."""
-    layer_windows = tuple(layer_windows)
+    """The groups of layers with these sliding windows (None: global; `RECURRENT`: a recurrent
+    layer), as the module docstring says."""
+    layer_kinds = tuple(layer_windows)
+    layer_windows = tuple(w for w in layer_kinds if w != RECURRENT)
     if not layer_windows:
         raise ValueError("a model needs at least one attention layer")
     kinds = sorted(set(layer_windows), key=lambda w: (w is not None, w or 0))
@@ -75,9 +89,13 @@ def kv_cache_layout(layer_windows) -> KVCacheLayout:
         first_group[w], num_groups[w] = len(group_windows), cdiv(counts[w], per_group)
         group_windows += [w] * num_groups[w]
     seen = dict.fromkeys(kinds, 0)
-    layers = []
-    for w in layer_windows:
+    layers, num_recurrent = [], 0
+    for w in layer_kinds:
+        if w == RECURRENT:
+            layers.append((RECURRENT_GROUP, per_group + num_recurrent))
+            num_recurrent += 1
+            continue
         j, n = seen[w], num_groups[w]
         layers.append((first_group[w] + j % n, j // n))
         seen[w] += 1
-    return KVCacheLayout(tuple(group_windows), tuple(layers), per_group)
+    return KVCacheLayout(tuple(group_windows), tuple(layers), per_group, num_recurrent)

@@ -19,6 +19,7 @@ from collections import deque
 
 from jpaged.config import SchedulerConfig
 from jpaged.core.kv_cache_manager import KVCache
+from jpaged.core.recurrent_state import NO_SLOT, RecurrentStateCache
 from jpaged.core.request import Request, Sequence
 from jpaged.core.scheduler_output import (PromptLogprobRow, SampleRow, ScheduledRequest, ScheduledSeq,
                                           SchedulerOutput)
@@ -38,6 +39,8 @@ class Scheduler:
         self.speculation = None if speculative_config is None else Speculation(speculative_config, kv_cache,
                                                                                max_model_len)
         self.kv_cache = kv_cache
+        # a model with recurrent layers: each scheduled sequence carries its state slot
+        self.recurrent_state = kv_cache if isinstance(kv_cache, RecurrentStateCache) else None
         self.max_model_len = max_model_len
         self.preemption_mode = preemption_mode
         self.swap_space = SwapSpace(swap_capacity_blocks)
@@ -104,6 +107,8 @@ class Scheduler:
         if self.speculation is not None:  # with what is left of the budget and the free blocks
             self.speculation.add_proposals(out, {r.request_id: r for r in scheduled}, budget)
         out.block_copies = self.kv_cache.take_pending_copies()
+        if self.recurrent_state is not None:
+            out.state_copies = self.recurrent_state.take_pending_state_copies()
         if self.lora_slots is not None:
             out.lora_loads = self.lora_slots.take_loads()
         rows = [(self.requests[out.seqs[r.seq_row].request_id], self._row_seq(out, r), r.sample_index)
@@ -187,8 +192,10 @@ class Scheduler:
         for seq in seqs:
             start = seq.num_computed_tokens
             table, group_tables = self._tables(seq)
+            state_slot = NO_SLOT if self.recurrent_state is None else self.recurrent_state.state_slot(seq)
             out.seqs.append(ScheduledSeq(request.request_id, seq.seq_id, seq.token_ids[start:start + n], start,
-                                         table, group_block_tables=group_tables, lora_slot=request.lora_slot or 0))
+                                         table, group_block_tables=group_tables, lora_slot=request.lora_slot or 0,
+                                         state_slot=state_slot))
             row = len(out.seqs) - 1
             out.prompt_logprob_rows += [PromptLogprobRow(row, p, seq.token_ids[p + 1], k)
                                         for p in prompt_logprobs.wanted(request, seq, start, n)]

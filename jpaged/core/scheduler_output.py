@@ -32,6 +32,7 @@ class ScheduledSeq:
     num_lookahead_tokens: int = 0
     group_block_tables: list[list[int]] = field(default_factory=list)
     lora_slot: int = 0  # the device slot of its request's LoRA adapter (0: the base model)
+    state_slot: int = -1  # its recurrent-state slot (`jpaged.core.recurrent_state`; -1: the model has none)
 
 
 @dataclass
@@ -78,6 +79,8 @@ class SchedulerOutput:
     key) of cached blocks evicted this step, read before anything the step writes; ``kv_loads``
     (device block, the block's arrays) fill free blocks with tier hits before the step runs.
     ``lora_loads``: LoRA adapters newly given a device slot, written before the step runs.
+    ``state_copies``: (source slot, destination slot) recurrent-state copies of forked sequences
+    (copy-on-write, `jpaged.core.recurrent_state`), made before the step runs.
     """
 
     requests: list[ScheduledRequest] = field(default_factory=list)
@@ -86,6 +89,7 @@ class SchedulerOutput:
     sampling: SamplingBatch = field(default_factory=SamplingBatch)
     prompt_logprob_rows: list[PromptLogprobRow] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     kv_stores: list[tuple[int, tuple]] = field(default_factory=list)

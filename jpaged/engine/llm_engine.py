@@ -290,4 +290,7 @@ class LLMEngine:
             **({} if self.scheduler.speculation is None else self.scheduler.speculation.stats.as_metrics()),
             **({} if getattr(block_pool, "offload", None) is None else block_pool.offload.metrics()),
             **({} if self.lora is None else self.lora.metrics()),
+            **({} if self.scheduler.recurrent_state is None else {
+                "num_state_slots": self.scheduler.recurrent_state.num_slots,
+                "num_free_state_slots": self.scheduler.recurrent_state.num_free_slots}),
         }

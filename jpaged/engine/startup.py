@@ -4,9 +4,10 @@
 The platform decides the defaults (bfloat16 and the Pallas kernels on TPU/GPU, float32 and the
 ``xla`` backend with the C++ kernels on the CPU); the model is loaded (or taken as given) onto a
 mesh of ``tensor_parallel_size`` devices; its layers' sliding windows decide the KV-cache groups
-(`kv_cache_layout`: one, or a group per window for a model that mixes them); the KV pool is sized
-from ``num_kv_blocks`` or a byte budget; then the KV cache manager, the scheduler and the model
-runner are built and the step shapes compiled.
+(`kv_cache_layout`: one, or a group per window for a model that mixes them); a model with
+recurrent layers gets a state slot per sequence besides (`jpaged.core.recurrent_state`); the KV
+pool is sized from ``num_kv_blocks`` or a byte budget; then the KV cache manager, the scheduler and
+the model runner are built and the step shapes compiled.
 """
 import dataclasses
 import hashlib
@@ -26,10 +27,11 @@ from jpaged.core.kv_cache_layout import KVCacheLayout, kv_cache_layout
 from jpaged.core.kv_cache_manager import KVCacheManager
 from jpaged.core.kv_offload import KVOffload
 from jpaged.core.kv_offload import namespace as kv_namespace
+from jpaged.core.recurrent_state import RecurrentStateCache
 from jpaged.core.scheduler import Scheduler
 from jpaged.loading.model_loader import load_model
 from jpaged.logger import logger
-from jpaged.models.attention import attention_windows, resolve_backend
+from jpaged.models.attention import attention_windows, recurrent_state_arrays, resolve_backend
 from jpaged.progress import phase
 from jpaged.runner import kv_pool, precompile
 from jpaged.runner.buckets import StepBuckets
@@ -157,14 +159,15 @@ def device_kv_budget(cache: CacheConfig, mesh) -> int | None:
 
 
 def num_kv_blocks(cache: CacheConfig, max_num_seqs: int, *, per_block: int, per_seq: int,
-                  device_budget: int | None) -> tuple[int, str, int | None]:
+                  device_budget: int | None, state_bytes: int = 0) -> tuple[int, str, int | None]:
     """The KV pool's size in blocks, used by start-up and by the AOT tool alike: (blocks, where
     that came from, the byte budget or None). ``num_kv_blocks`` as set, else a byte budget:
     ``kv_cache_memory_bytes``, else ``device_budget`` (the device's memory at
     ``memory_utilization`` less what is in use and, ahead of time, the step's temporaries), else on
-    the CPU (``device_budget`` None) ``cpu_default_bytes``; never more than ``max_num_seqs``
-    sequences of ``per_seq`` blocks each use. 0 when the budget holds no block of ``per_block``
-    bytes (start-up refuses that; the AOT tool reports it)."""
+    the CPU (``device_budget`` None) ``cpu_default_bytes``, less ``state_bytes`` (the recurrent-state
+    pools of a model with recurrent layers); never more than ``max_num_seqs`` sequences of
+    ``per_seq`` blocks each use. 0 when the budget holds no block of ``per_block`` bytes (start-up
+    refuses that; the AOT tool reports it)."""
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks, "num_kv_blocks", None
     if cache.kv_cache_memory_bytes is not None:
@@ -173,7 +176,35 @@ def num_kv_blocks(cache: CacheConfig, max_num_seqs: int, *, per_block: int, per_
         budget, source = device_budget, f"memory_utilization={cache.memory_utilization}"
     else:  # CPU: devices report no memory
         budget, source = cache.cpu_default_bytes, "the CPU default"
+    budget -= state_bytes
+    if state_bytes:
+        source += " less the recurrent-state pools"
     return int(max(0, min(budget // per_block, max_num_seqs * per_seq))), source, budget
+
+
+def recurrent_model_config(config: EngineConfig) -> EngineConfig:
+    """The settings a model with recurrent layers (`jpaged.core.recurrent_state`) runs with: prefix
+    caching off and preemption by recompute (each with a log line when it was on), refusing what
+    needs either (prefix-cache tiers) or takes tokens back (speculative decoding: a recurrent
+    state cannot forget rejected proposals)."""
+    cc = config.cache
+    if config.speculative_config is not None:
+        raise ValueError("speculative_config: not supported for a model with recurrent (linear-attention) layers: "
+                         "their state cannot take back rejected proposals")
+    if cc.kv_offload is not None:
+        raise ValueError("kv_offload: keeps prefix-cache blocks, but prefix caching is off for a model with "
+                         "recurrent (linear-attention) layers")
+    if cc.allocator != "paged":
+        raise ValueError(f"allocator={cc.allocator!r}: a model with recurrent (linear-attention) layers runs on the "
+                         "paged allocator only")
+    if cc.enable_prefix_caching:
+        logger.info("prefix caching is off for this model: its linear-attention layers keep a recurrent state per "
+                    "sequence, which KV blocks alone cannot restore")
+    if cc.preemption_mode == "swap":
+        logger.info("preemption_mode='swap': this model's recurrent states are not swapped; preempted requests "
+                    "are recomputed")
+    return dataclasses.replace(config, cache=dataclasses.replace(cc, enable_prefix_caching=False,
+                                                                 preemption_mode="recompute"))
 
 
 def fit_max_model_len(config: EngineConfig, max_model_len: int, num_blocks: int, source: str, per_block: int,
@@ -294,6 +325,10 @@ def build(config: EngineConfig, model=None, tokenizer=None, devices=None) -> Eng
                            max_cpu_loras=config.max_cpu_loras, dtype=dtype,
                            delta=delta_form_for(mesh.devices.flat[0].platform))
     layout = kv_cache_layout(attention_windows(model))
+    state_arrays = recurrent_state_arrays(model)  # per recurrent layer (none for most models)
+    if state_arrays:
+        config = recurrent_model_config(config)
+        cc = config.cache
     if draft is not None and layout.group_windows[0] is not None:
         raise ValueError(f"speculative_config (method='draft_model'): the draft model reads the block table of "
                          f"the target's first KV-cache group, whose sliding window ({layout.group_windows[0]} "
@@ -304,8 +339,10 @@ def build(config: EngineConfig, model=None, tokenizer=None, devices=None) -> Eng
                     for c, n in [(mc, layout.num_tensors)] + ([(draft.config, draft.config.num_layers)]
                                                               if draft is not None else []))  # a draft's pool: same blocks
     per_seq = layout.max_blocks_per_seq(max_model_len, cc.block_size, sc.max_num_batched_tokens)
+    per_slot = kv_pool.state_bytes_per_slot(state_arrays, config.tensor_parallel_size)
     num_blocks, source, budget = num_kv_blocks(cc, sc.max_num_seqs, per_block=per_block, per_seq=per_seq,
-                                               device_budget=device_kv_budget(cc, mesh))
+                                               device_budget=device_kv_budget(cc, mesh),
+                                               state_bytes=sc.max_num_seqs * per_slot)
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory_bytes={budget}: too small for one KV block of {per_block} bytes")
     max_model_len, max_model_len_note = fit_max_model_len(config, max_model_len, num_blocks, source, per_block,
@@ -317,10 +354,14 @@ def build(config: EngineConfig, model=None, tokenizer=None, devices=None) -> Eng
                 "per device; set num_kv_blocks or kv_cache_memory_bytes to change it", num_blocks, cc.block_size,
                 num_blocks * cc.block_size, num_blocks * per_block / 2**20, source, kv_name,
                 per_block // cc.block_size)
-    if not layout.is_trivial:
+    if layout.num_groups > 1:
         logger.info("KV cache groups (sliding window per group, None: global): %s; %d layers per block",
                     list(layout.group_windows), layout.num_tensors)
     kv_cache = kv_cache_manager(config, num_blocks, max_model_len, layout)
+    if state_arrays:  # a state slot per sequence that max_num_seqs lets run
+        logger.info("recurrent state: %d layers, %d slots x %.2f MiB per device = %.1f MiB", len(state_arrays),
+                    sc.max_num_seqs, per_slot / 2**20, sc.max_num_seqs * per_slot / 2**20)
+        kv_cache = RecurrentStateCache(kv_cache, sc.max_num_seqs)
     offload = None
     if cc.kv_offload is not None:
         offload = kv_offload_connector(config, model, in_memory=in_memory, dtype=dtype, kv_dtype=kv_dtype, layout=layout,
@@ -333,7 +374,8 @@ def build(config: EngineConfig, model=None, tokenizer=None, devices=None) -> Eng
                           lora_slots=None if lora is None else lora.slots)
     pool = kv_pool.KVPool(num_layers=layout.num_tensors, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
                           num_blocks=num_blocks, block_size=cc.block_size, dtype=kv_dtype, mesh=mesh,
-                          num_host_blocks=swap_blocks, counter=CompileCounter())
+                          num_host_blocks=swap_blocks, counter=CompileCounter(), state_arrays=state_arrays,
+                          num_state_slots=sc.max_num_seqs if state_arrays else 0)
     drafter = None
     if draft is not None:
         dc = draft.config

@@ -23,12 +23,12 @@ from jax.sharding import NamedSharding
 import pallas_kernels
 from jpaged import sharding
 from jpaged.config import EngineConfig
-from jpaged.engine.startup import num_kv_blocks, resolve_dtypes
+from jpaged.engine.startup import num_kv_blocks, recurrent_model_config, resolve_dtypes
 from jpaged.entrypoints import roofline
 from jpaged.loading.model_loader import abstract_model, kv_replicated_config
 from jpaged.models import ModelConfig
 from jpaged.core.kv_cache_layout import KVCacheLayout, kv_cache_layout
-from jpaged.models.attention import attention_windows, make_attention_metadata
+from jpaged.models.attention import attention_windows, make_attention_metadata, recurrent_state_arrays
 from jpaged.runner import kv_pool
 from jpaged.runner.buckets import StepBuckets
 from jpaged.runner.inputs import prepare_inputs
@@ -73,6 +73,7 @@ class EngineCompile:
     max_batch_at_max_model_len: int
     compile_seconds: float
     steps: list[StepCompile]
+    state_pool_bytes: int = 0  # the recurrent-state pools of a model with linear-attention layers
     roofline: dict = dataclasses.field(default_factory=dict)  # `roofline.estimate`: an estimate, not a measurement
 
     @property
@@ -91,7 +92,8 @@ class EngineCompile:
 
     @property
     def fits(self) -> bool:
-        return self.weight_bytes + self.kv_pool_bytes + self.max_temp_bytes + self.generated_code_bytes <= self.hbm_bytes
+        return (self.weight_bytes + self.kv_pool_bytes + self.state_pool_bytes + self.max_temp_bytes
+                + self.generated_code_bytes <= self.hbm_bytes)
 
 
 def target_mesh(target: str, tensor_parallel_size: int, topology: str | None = None):
@@ -122,13 +124,14 @@ def is_stacked_expert(names: tuple) -> bool:
 
 def deployment_roofline(state, mc: ModelConfig, layout: KVCacheLayout, target: str, *, per_block: int,
                         block_size: int, tp: int, num_blocks: int, max_num_seqs: int, max_batched_tokens: int,
-                        max_model_len: int, steps: list) -> dict:
+                        max_model_len: int, steps: list, state_bytes_per_seq: int = 0) -> dict:
     """`roofline.estimate` of the compiled deployment: its decode-only step shapes, and the
     workload at as many requests as the pool and ``max_num_seqs`` hold at once."""
     leaves = [(sharding.key_path_names(path), x.sharding.shard_shape(x.shape), x.dtype.itemsize)
               for path, x in jax.tree_util.tree_leaves_with_path(state)]
     cost = roofline.step_cost(leaves, config=mc, layout=layout, kv_bytes_per_block=per_block, block_size=block_size,
-                              tensor_parallel_size=tp, is_expert=is_stacked_expert)
+                              tensor_parallel_size=tp, is_expert=is_stacked_expert,
+                              state_bytes_per_seq=state_bytes_per_seq)
     prompt_tokens, output_tokens = roofline.WORKLOAD
     per_request = layout.max_blocks_per_seq(prompt_tokens + output_tokens, block_size, max_batched_tokens)
     rows = sorted({int(s.name.split("rows=")[1].split()[0]) for s in steps if s.name.endswith("decode-only")})
@@ -162,11 +165,16 @@ def abstract_state(config: ModelConfig, mesh, *, dtype, quantization: str | None
     return graphdef, jax.tree_util.tree_map_with_path(place, state), layout
 
 
-def abstract_caches(config: ModelConfig, mesh, *, num_tensors: int, num_blocks: int, block_size: int, kv_dtype):
+def abstract_caches(config: ModelConfig, mesh, *, num_tensors: int, num_blocks: int, block_size: int, kv_dtype,
+                    state_arrays=(), num_state_slots: int = 0):
+    """The pool as the engine makes it (`kv_pool.KVPool`): the KV tensors, then the recurrent-state
+    pools of ``state_arrays`` (per recurrent layer), as placed structs."""
     specs = pallas_kernels.pool.layer_arrays(config.num_kv_heads, num_blocks, block_size, config.head_dim, kv_dtype)
     layer = tuple(jax.ShapeDtypeStruct(shape, dt, sharding=sharding.kv_pool_format(mesh, len(shape)))
                   for shape, dt in specs)
-    return [layer] * num_tensors
+    states = [tuple(jax.ShapeDtypeStruct((num_state_slots,) + a.shape, a.dtype, sharding=sharding.state_pool_sharding(
+        mesh, (num_state_slots,) + a.shape, a.head_axis)) for a in arrays) for arrays in state_arrays]
+    return [layer] * num_tensors + states
 
 
 def step_arguments(step, buckets: StepBuckets, mesh, layout: KVCacheLayout, processed_logprobs: bool = False,
@@ -174,13 +182,14 @@ def step_arguments(step, buckets: StepBuckets, mesh, layout: KVCacheLayout, proc
     """The step's inputs as the runner builds them (`prepare_inputs`, the pallas metadata with
     every KV-cache group's tables and the LoRA slots, the padded sampling tensors of the engine's
     ``logprobs_mode``), as replicated structs."""
-    inputs = prepare_inputs(step, buckets, layout.num_groups, num_lora_slots)
+    inputs = prepare_inputs(step, buckets, layout.num_groups, num_lora_slots, recurrent=layout.num_recurrent > 0)
     md = make_attention_metadata("pallas", positions=inputs.positions, slot_mapping=inputs.slot_mapping,
                                  query_start_loc=inputs.query_start_loc, seq_lens=inputs.seq_lens,
                                  block_tables=inputs.block_tables, num_seqs=inputs.num_seqs,
                                  group_slot_mappings=inputs.group_slot_mappings,
                                  group_block_tables=inputs.group_block_tables,
-                                 kv_layout=None if layout.is_trivial else layout.layers, lora=inputs.lora)
+                                 kv_layout=None if layout.is_trivial else layout.layers, lora=inputs.lora,
+                                 state_slots=inputs.state_slots)
     args = (inputs.input_ids, md, inputs.logits_indices, None,
             sampling_tensors(step.sampling, inputs.num_rows, processed_logprobs))
     return _placed(args, lambda _: sharding.replicated(mesh))
@@ -279,6 +288,12 @@ def compile_engine(model_config: ModelConfig, config: EngineConfig, target: str,
                                              lora=(num_lora_slots, config.max_lora_rank) if num_lora_slots else None)
     weight_bytes = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
                        for x in jax.tree.leaves(state))
+    state_arrays = recurrent_state_arrays(nnx.merge(graphdef, state))  # per recurrent layer (most models: none)
+    if state_arrays:
+        config = recurrent_model_config(config)
+        cc = config.cache
+    per_slot = kv_pool.state_bytes_per_slot(state_arrays, tp)
+    num_state_slots = sc.max_num_seqs if state_arrays else 0
     per_block = kv_pool.bytes_per_block(num_layers=layout.num_tensors, num_kv_heads=mc.num_kv_heads,
                                         head_dim=mc.head_dim, block_size=cc.block_size, dtype=kv_dtype,
                                         tensor_parallel_size=tp)
@@ -295,7 +310,8 @@ def compile_engine(model_config: ModelConfig, config: EngineConfig, target: str,
     with jax.set_mesh(mesh):
         def compile_all(num_blocks, steps, progress=None):
             caches = abstract_caches(mc, mesh, num_tensors=layout.num_tensors, num_blocks=num_blocks,
-                                     block_size=cc.block_size, kv_dtype=kv_dtype)
+                                     block_size=cc.block_size, kv_dtype=kv_dtype, state_arrays=state_arrays,
+                                     num_state_slots=num_state_slots)
             fn = jit_whole_step(graphdef, mesh, [tuple(x.format for x in layer) for layer in caches])
             processed = config.logprobs_mode == "processed_logprobs"
             results = []
@@ -306,7 +322,7 @@ def compile_engine(model_config: ModelConfig, config: EngineConfig, target: str,
                 if progress is not None:
                     progress(results[-1])
             if cc.kv_offload is not None and steps is plan:
-                for result in compile_transfers(mesh, caches, num_blocks, device):
+                for result in compile_transfers(mesh, caches[:layout.num_tensors], num_blocks, device):
                     results.append(result)
                     if progress is not None:
                         progress(result)
@@ -319,7 +335,8 @@ def compile_engine(model_config: ModelConfig, config: EngineConfig, target: str,
         probe = compile_all(min(1024, sc.max_num_seqs * per_seq), [plan[-1]])[0]
         temps = probe.memory.get("temp_size_in_bytes", 0) + probe.memory.get("generated_code_size_in_bytes", 0)
         num_blocks, _, _ = num_kv_blocks(cc, sc.max_num_seqs, per_block=per_block, per_seq=per_seq,
-                                         device_budget=int(hbm * cc.memory_utilization) - weight_bytes - temps)
+                                         device_budget=int(hbm * cc.memory_utilization) - weight_bytes - temps,
+                                         state_bytes=num_state_slots * per_slot)
         steps = compile_all(max(num_blocks, 1), plan, progress) if probe.ok else [probe]
     done = [s for s in steps if s.ok]
     return EngineCompile(
@@ -328,9 +345,9 @@ def compile_engine(model_config: ModelConfig, config: EngineConfig, target: str,
         max_temp_bytes=max((s.memory.get("temp_size_in_bytes", 0) for s in done), default=0),
         generated_code_bytes=max((s.memory.get("generated_code_size_in_bytes", 0) for s in done), default=0),
         max_batch_at_max_model_len=num_blocks // per_seq,
-        compile_seconds=time.perf_counter() - start, steps=steps,
+        compile_seconds=time.perf_counter() - start, steps=steps, state_pool_bytes=num_state_slots * per_slot,
         roofline=deployment_roofline(state, mc, layout, target, per_block=per_block, block_size=cc.block_size, tp=tp,
                                      num_blocks=num_blocks, max_num_seqs=sc.max_num_seqs,
                                      max_batched_tokens=sc.max_num_batched_tokens, max_model_len=max_model_len,
-                                     steps=steps))
+                                     steps=steps, state_bytes_per_seq=per_slot))
 

@@ -22,6 +22,7 @@ import dataclasses
 
 import numpy as np
 
+from jpaged.core.kv_cache_layout import RECURRENT_GROUP
 from jpaged.utils import cdiv
 
 WORKLOAD = (1800, 128)  # (prompt tokens, output tokens) per request
@@ -42,8 +43,10 @@ class StepCost:
       num_experts: experts per MoE layer (0: a dense model).
       experts_per_token: experts each token is routed to.
       kv_bytes_per_token_layer: KV bytes of one token in one layer (keys and values, scales included).
-      layer_windows: per layer, its sliding window, or None (global).
+      layer_windows: per attention layer, its sliding window, or None (global).
       attention_width: query heads on the chip x head size.
+      state_bytes_per_seq: a sequence's recurrent states (linear-attention layers) on the chip, which
+        every step reads and writes once.
     """
 
     weight_bytes: int
@@ -55,6 +58,7 @@ class StepCost:
     kv_bytes_per_token_layer: float
     layer_windows: tuple
     attention_width: int
+    state_bytes_per_seq: int = 0
 
     def expert_share(self, rows: int) -> float:
         """The expected share of stacked experts that ``rows`` tokens route to (uniform routing)."""
@@ -101,7 +105,7 @@ def _bound(rows, context, nbytes, flops, chip) -> Bound:
 def decode_step(cost: StepCost, chip, rows: int, context: int) -> Bound:
     """The floor of a decode step of ``rows`` sequences, each attending to ``context`` tokens."""
     keys = cost.keys(context)
-    nbytes = cost.weights_read(rows) + rows * keys * cost.kv_bytes_per_token_layer
+    nbytes = cost.weights_read(rows) + rows * (keys * cost.kv_bytes_per_token_layer + 2 * cost.state_bytes_per_seq)
     flops = rows * (cost.flops_per_token() + 4.0 * cost.attention_width * keys)
     return _bound(rows, context, nbytes, flops, chip)
 
@@ -116,7 +120,8 @@ def causal_keys(tokens: int, window: int | None) -> int:
 def prompt(cost: StepCost, chip, tokens: int) -> Bound:
     """The floor of computing one prompt of ``tokens`` tokens in one step (its KV written)."""
     keys = sum(causal_keys(tokens, w) for w in cost.layer_windows)
-    nbytes = cost.weights_read(tokens) + tokens * len(cost.layer_windows) * cost.kv_bytes_per_token_layer
+    nbytes = (cost.weights_read(tokens) + tokens * len(cost.layer_windows) * cost.kv_bytes_per_token_layer
+              + 2 * cost.state_bytes_per_seq)
     flops = tokens * cost.flops_per_token() + 4.0 * cost.attention_width * keys
     return _bound(tokens, tokens, nbytes, flops, chip)
 
@@ -146,9 +151,10 @@ POSITION_TABLES = ("embed_positions", "wpe")  # learned position tables: a step 
 
 
 def step_cost(named_leaves, *, config, layout, kv_bytes_per_block: int, block_size: int, tensor_parallel_size: int,
-              is_expert) -> StepCost:
+              is_expert, state_bytes_per_seq: int = 0) -> StepCost:
     """The `StepCost` of a model from its parameters on one chip: ``named_leaves`` (path names,
-    per-chip shape, dtype item size) and ``is_expert(names)`` (a stacked expert weight ``[E', ...]``)."""
+    per-chip shape, dtype item size) and ``is_expert(names)`` (a stacked expert weight ``[E', ...]``);
+    ``state_bytes_per_seq``: a sequence's recurrent states on the chip (recurrent layers attend to no keys)."""
     weight = expert = dense = expert_params = 0
     for names, shape, itemsize in named_leaves:
         size = int(np.prod(shape))
@@ -163,14 +169,15 @@ def step_cost(named_leaves, *, config, layout, kv_bytes_per_block: int, block_si
         elif len(shape) >= 2:
             dense += size
     hf = config.hf or {}
-    windows = tuple(layout.group_windows[g] for g, _ in layout.layers)
+    windows = tuple(layout.group_windows[g] for g, _ in layout.layers if g != RECURRENT_GROUP)
     return StepCost(
         weight_bytes=weight, expert_bytes=expert, dense_params=dense, expert_params=expert_params,
         num_experts=int(hf.get("num_local_experts") or hf.get("num_experts") or 0) if expert else 0,
         experts_per_token=int(hf.get("num_experts_per_tok") or 0) if expert else 0,
         kv_bytes_per_token_layer=kv_bytes_per_block / (block_size * layout.num_tensors),
         layer_windows=windows or (None,) * config.num_layers,
-        attention_width=max(1, config.num_heads // tensor_parallel_size) * config.head_dim)
+        attention_width=max(1, config.num_heads // tensor_parallel_size) * config.head_dim,
+        state_bytes_per_seq=state_bytes_per_seq)
 
 
 def estimate(cost: StepCost, chip, *, decode_rows, fit_batch: int, max_batched_tokens: int,

@@ -9,6 +9,7 @@ from jpaged.models.mixtral import MixtralForCausalLM
 from jpaged.models.model_config import ModelConfig
 from jpaged.models.opt import OPTForCausalLM
 from jpaged.models.qwen3_moe import Qwen3MoeForCausalLM
+from jpaged.models.qwen3_next import Qwen3NextForCausalLM
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -25,6 +26,8 @@ MODEL_REGISTRY = {
     "Llama4ForCausalLM": Llama4ForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3NextForCausalLM,
 }
 
 

@@ -26,7 +26,8 @@ Models with several KV-cache groups (layers of different windows: `jpaged.core.k
 give each group its own block table and slot mapping: ``group_block_tables`` and
 ``group_slot_mappings`` hold those of groups 1, 2, ...; ``kv_layout`` says which group and pool
 tensor each layer uses (`run_layers` follows it), and ``for_group`` is the metadata a layer of a
-group reads.
+group reads. Recurrent layers (`RECURRENT` in `attention_windows`) take a state pool instead of a
+pool tensor and read each sequence's slot in it from ``state_slots``.
 
 Backends:
 - ``xla`` (the CPU default): on a CPU with float32 pages, the C++ kernel
@@ -48,13 +49,15 @@ from flax import nnx
 
 import pallas_kernels
 from jpaged import sharding
+from jpaged.core.kv_cache_layout import RECURRENT, RECURRENT_GROUP
 from pallas_kernels import cpu
 from pallas_kernels.platform import target_platform
 
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["slot_mapping", "block_tables", "seq_lens", "query_start_loc",
-                                "num_seqs", "positions", "group_slot_mappings", "group_block_tables", "lora"],
+                                "num_seqs", "positions", "group_slot_mappings", "group_block_tables", "lora",
+                                "state_slots"],
                    meta_fields=["decode_only", "kv_layout"])
 @dataclasses.dataclass
 class AttentionMetadata:
@@ -73,6 +76,8 @@ class AttentionMetadata:
     kv_layout (static): (group, pool tensor) of each layer, or None: layer i uses group 0 and
       tensor i.
     lora: each token's adapter slot and the slot grouping (`jpaged.models.lora.LoRAInputs`), or None.
+    state_slots[S]: each sequence's recurrent-state slot (-1 for padding rows), or None: a model with
+      recurrent layers (`jpaged.models.gated_delta_net`) reads and writes its state pools there.
     """
 
     slot_mapping: jax.Array
@@ -84,12 +89,14 @@ class AttentionMetadata:
     group_slot_mappings: jax.Array | None = None
     group_block_tables: jax.Array | None = None
     lora: object = None  # a `jpaged.models.lora.LoRAInputs` when the model serves adapters
+    state_slots: jax.Array | None = None
     decode_only: bool = False
     kv_layout: tuple[tuple[int, int], ...] | None = None
 
     def for_group(self, group: int) -> "AttentionMetadata":
-        """The metadata a layer of KV-cache group ``group`` reads (its block tables and slots)."""
-        if group == 0:
+        """The metadata a layer of KV-cache group ``group`` reads (its block tables and slots); a
+        recurrent layer (`RECURRENT_GROUP`) and group 0 read the step's own."""
+        if group in (0, RECURRENT_GROUP):
             return self
         return dataclasses.replace(self, slot_mapping=self.group_slot_mappings[group - 1],
                                    block_tables=self.group_block_tables[group - 1])
@@ -97,7 +104,7 @@ class AttentionMetadata:
 
 def make_attention_metadata(backend: str, *, positions, slot_mapping, query_start_loc, seq_lens,
                             block_tables, num_seqs, group_slot_mappings=None, group_block_tables=None,
-                            kv_layout=None, lora=None) -> AttentionMetadata:
+                            kv_layout=None, lora=None, state_slots=None) -> AttentionMetadata:
     """The step's metadata for ``backend`` from host arrays the runner already padded.
 
     Padding: slot -1, seq_len 0, query_start_loc repeating the real token count, block-table rows 0.
@@ -112,17 +119,26 @@ def make_attention_metadata(backend: str, *, positions, slot_mapping, query_star
                              seq_lens=i32(seq_lens), query_start_loc=qsl,
                              num_seqs=np.array(num_seqs, np.int32), positions=i32(positions),
                              group_slot_mappings=i32(group_slot_mappings),
-                             group_block_tables=i32(group_block_tables), lora=lora, decode_only=decode_only,
+                             group_block_tables=i32(group_block_tables), lora=lora, state_slots=i32(state_slots),
+                             decode_only=decode_only,
                              kv_layout=None if kv_layout is None else tuple(map(tuple, kv_layout)))
 
 
-def attention_windows(model) -> list[int | None]:
-    """The sliding window (None: global) of each `PagedAttention` of ``model``, in layer order."""
-    windows = [node.sliding_window for _, node in nnx.iter_graph(model) if isinstance(node, PagedAttention)]
+def attention_windows(model) -> list:
+    """Each layer's kind, in layer order: the sliding window (None: global) of its `PagedAttention`,
+    or `RECURRENT` for a layer that keeps a recurrent state instead (one with ``state_arrays``,
+    e.g. `jpaged.models.gated_delta_net.GatedDeltaNet`)."""
+    windows = [RECURRENT if hasattr(node, "state_arrays") else node.sliding_window for _, node in nnx.iter_graph(model)
+               if isinstance(node, PagedAttention) or hasattr(node, "state_arrays")]
     if len(windows) != model.config.num_layers:
-        raise ValueError(f"{type(model).__name__}: {len(windows)} PagedAttention layers for "
-                         f"num_layers={model.config.num_layers} (one per layer, each with its own KV cache)")
+        raise ValueError(f"{type(model).__name__}: {len(windows)} PagedAttention or recurrent layers for "
+                         f"num_layers={model.config.num_layers} (one per layer, each with its own cache)")
     return windows
+
+
+def recurrent_state_arrays(model) -> list[tuple]:
+    """The ``state_arrays()`` of each recurrent layer of ``model``, in layer order (empty without)."""
+    return [node.state_arrays() for _, node in nnx.iter_graph(model) if hasattr(node, "state_arrays")]
 
 
 def attention_backend_of(model) -> str:

@@ -201,7 +201,11 @@ def rope_cos_sin(inv_freq, positions):
 
 
 def apply_rope(x, cos, sin):
-    """x [T, H, D]; cos/sin [T, D] in the rotate-half convention of transformers."""
+    """x [T, H, D]; cos/sin [T, R] in the rotate-half convention of transformers, over the first R
+    dimensions of each head (R < D: partial rotary, the rest pass through)."""
+    if cos.shape[-1] < x.shape[-1]:
+        rot = cos.shape[-1]
+        return jnp.concatenate([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], axis=-1)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     out = x.astype(jnp.float32) * cos[:, None] + rotated.astype(jnp.float32) * sin[:, None]

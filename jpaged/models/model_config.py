@@ -5,6 +5,8 @@ Attention per layer: ``sliding_windows[i]`` is layer i's window (a query at posi
 each architecture's own rule (Mistral and Mixtral: every layer; Qwen2/3: ``use_sliding_window``
 from ``max_window_layers`` on; Gemma 2: every other layer; Gemma 3: all but every
 ``sliding_window_pattern``-th). A field the engine cannot honour is a ValueError naming it.
+Qwen3-Next and Qwen3.5 (`RECURRENT_MODEL_TYPES`) also have ``linear_attention`` layers, which keep
+a recurrent state instead of KV (`jpaged.models.gated_delta_net`); their window here is None.
 
 Multi-head latent attention (DeepSeek-V2/V3, `MLA_MODEL_TYPES`) caches one latent row of
 ``kv_lora_rank + qk_rope_head_dim`` values per token for all heads: its ``num_kv_heads`` (1) and
@@ -14,6 +16,9 @@ K and V page tensors (`jpaged.models.deepseek`).
 from dataclasses import dataclass, field
 
 LAYER_TYPES = ("full_attention", "sliding_attention")  # the layer_types values jpaged runs
+# layer_types of layers that keep a recurrent state instead of KV, and the model types that have them
+RECURRENT_LAYER_TYPES = ("linear_attention",)
+RECURRENT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text")
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention: a latent KV pool
 
 
@@ -131,9 +136,11 @@ def _layer_windows(text: dict, model_type: str, num_layers: int) -> tuple[int | 
     if types is not None:
         if model_type == "llama4_text":  # its chunked layers keep all their blocks (jpaged.models.llama4)
             types = ["full_attention" if t == "chunked_attention" else t for t in types]
-        bad = sorted(set(types) - set(LAYER_TYPES))
+        runs = LAYER_TYPES + (RECURRENT_LAYER_TYPES if model_type in RECURRENT_MODEL_TYPES else ())
+        bad = sorted(set(types) - set(runs))
         if bad:
-            raise ValueError(f"layer_types: {bad} not supported (jpaged runs {list(LAYER_TYPES)})")
+            raise ValueError(f"layer_types: {bad} not supported (jpaged runs {list(runs)} for model_type="
+                             f"{model_type!r})")
         if len(types) != num_layers:
             raise ValueError(f"layer_types: {len(types)} entries for num_hidden_layers={num_layers}")
     elif model_type in ("mistral", "mixtral"):

@@ -6,7 +6,8 @@ sequence starts); padding tokens write nowhere (slot -1), padding sequences have
 so are the entries a sliding window released (-1 on the host: the attention never reads them).
 A model with several KV-cache groups gets a block table and slot mapping per group. A model
 served with LoRA adapters gets each token's adapter slot (padding: slot 0, the base model) and the
-tokens' order by slot (`lora_inputs`).
+tokens' order by slot (`lora_inputs`). A model with recurrent layers gets each sequence's state
+slot (padding: -1, neither read nor written).
 """
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ class StepInputs:
     group_slot_mappings: np.ndarray | None = None  # int32 [G-1, T]: KV-cache groups 1.. (None: one group)
     group_block_tables: np.ndarray | None = None   # int32 [G-1, S, B]
     lora: LoRAInputs | None = None  # each token's adapter slot and the slot grouping (None: no LoRA)
+    state_slots: np.ndarray | None = None  # int32 [S]: recurrent-state slots, -1 for padding (None: no state)
 
     @property
     def num_rows(self) -> int:
@@ -58,10 +60,11 @@ def lora_inputs(token_slots: np.ndarray, num_slots: int) -> LoRAInputs:
 
 
 def prepare_inputs(out: SchedulerOutput, buckets: StepBuckets, num_groups: int = 1,
-                   num_lora_slots: int = 0) -> StepInputs:
+                   num_lora_slots: int = 0, recurrent: bool = False) -> StepInputs:
     """The step's arrays; ``num_groups``: the model's KV-cache groups (each sequence brings a table
     for every group after the first in ``group_block_tables``); ``num_lora_slots``: the model's
-    adapter slots including slot 0 (0: served without LoRA)."""
+    adapter slots including slot 0 (0: served without LoRA); ``recurrent``: the model has
+    recurrent layers (each sequence's ``state_slot``)."""
     bs = buckets.block_size
     input_ids, positions, seq_lens = [], [], []
     slots, tables = [[] for _ in range(num_groups)], [[] for _ in range(num_groups)]
@@ -93,6 +96,10 @@ def prepare_inputs(out: SchedulerOutput, buckets: StepBuckets, num_groups: int =
         token_slots = np.zeros(t_pad, np.int32)
         token_slots[:t] = np.repeat([seq.lora_slot for seq in out.seqs], np.diff(query_start_loc))
         lora = lora_inputs(token_slots, num_lora_slots)
+    state_slots = None
+    if recurrent:
+        state_slots = np.full(s_pad, -1, np.int32)
+        state_slots[:s] = [seq.state_slot for seq in out.seqs]
     sampled = [query_start_loc[r.seq_row] + len(out.seqs[r.seq_row].token_ids) - 1 + r.spec_index
                for r in out.sample_rows]
     rows = np.zeros(buckets.rows(len(sampled), t_pad), np.int32)
@@ -110,4 +117,4 @@ def prepare_inputs(out: SchedulerOutput, buckets: StepBuckets, num_groups: int =
                                 for r in out.prompt_logprob_rows],
         group_slot_mappings=np.stack(slot_mappings[1:]) if num_groups > 1 else None,
         group_block_tables=np.stack(block_tables[1:]) if num_groups > 1 else None,
-        lora=lora)
+        lora=lora, state_slots=state_slots)

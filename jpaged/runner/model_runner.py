@@ -11,7 +11,9 @@ shape cheap. Each layer's KV pool is donated to its call, so XLA updates it in p
 
 KV-cache groups (`jpaged.core.kv_cache_layout`): the pool has a tensor per layer, or, for a model
 whose layers attend with different windows, fewer tensors that layers of different groups share;
-each layer reads its group's block table and slot mapping and its tensor (`kv_layout`).
+each layer reads its group's block table and slot mapping and its tensor (`kv_layout`). A
+recurrent layer reads its state pool (after the tensors) at each sequence's state slot; the
+step's state copies (forks) run with its block copies.
 """
 import functools
 import gc
@@ -216,14 +218,16 @@ class ModelRunner:
         for pool in self.kv_pools:
             pool.swap_in(out.swap_in)
             pool.copy_blocks(out.block_copies)
+        self.kv_pool.copy_states(out.state_copies)
         self.write_lora_slots(out.lora_loads)
-        inputs = prepare_inputs(out, self.buckets, self.kv_layout.num_groups, self.num_lora_slots)
+        inputs = prepare_inputs(out, self.buckets, self.kv_layout.num_groups, self.num_lora_slots,
+                                recurrent=self.kv_layout.num_recurrent > 0)
         md = make_attention_metadata(self.attention_backend, positions=inputs.positions,
                                      slot_mapping=inputs.slot_mapping, query_start_loc=inputs.query_start_loc,
                                      seq_lens=inputs.seq_lens, block_tables=inputs.block_tables,
                                      num_seqs=inputs.num_seqs, group_slot_mappings=inputs.group_slot_mappings,
                                      group_block_tables=inputs.group_block_tables, kv_layout=self._md_layout,
-                                     lora=inputs.lora)
+                                     lora=inputs.lora, state_slots=inputs.state_slots)
         sampling = sampling_tensors(out.sampling, inputs.num_rows, self.processed_logprobs)
         n = len(out.sample_rows)
         prepared = time.perf_counter()
@@ -376,7 +380,8 @@ class ModelRunner:
                 block_tables=np.zeros((s_pad, b_pad)), kv_layout=self._md_layout,
                 group_slot_mappings=np.full((more, t_pad), -1) if more else None,
                 group_block_tables=np.zeros((more, s_pad, b_pad)) if more else None,
-                lora=self._lora_padding(t_pad))
+                lora=self._lora_padding(t_pad),
+                state_slots=np.full(s_pad, -1) if self.kv_layout.num_recurrent else None)
             for batch in plain_sampling(rows):
                 with jax.set_mesh(self.mesh):
                     _, self.kv_pool.caches = self.counter.call(

@@ -4,7 +4,7 @@
 Default run: a Llama over two v5e chips, a head_dim-64 Llama's pool kept row-major on v5e (v6e: slow), a Gemma 2 on v6e (windowed and global KV-cache groups,
 soft caps) and a Mixtral over two H100s (experts split whole), through the script as a user runs
 it: exit status 0, every step shape OK, a KV pool that fits, the figures in ``--output_json``.
-``-m slow``: Qwen3, Gemma 3, Mistral and Qwen3-MoE on v5e and H100, and every deployment flagfile
+``-m slow``: Qwen3, Gemma 3, Mistral, Qwen3-MoE and Qwen3-Next on v5e and H100, and every deployment flagfile
 of ``configs/`` (its largest step shapes) on the target its ``# Compile:`` line names, in bfloat16
 and, on the GPUs, with an int8 KV cache. The compilers' venvs come from
 ``scripts/setup_aot_compilers.sh`` (``JPAGED_SKIP_AOT=1`` skips these tests, as it does the kernel
@@ -35,6 +35,11 @@ FAMILIES = {
     "mixtral": ("MixtralConfig", dict(TINY, num_local_experts=4, num_experts_per_tok=2)),
     "qwen3_moe": ("Qwen3MoeConfig", dict(TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)),
     "qwen3_moe_64": ("Qwen3MoeConfig", dict(TINY, num_experts=64, num_experts_per_tok=2, moe_intermediate_size=128)),
+    # a linear-attention layer (its recurrent-state pool) and a full-attention one, MoE with a shared expert
+    "qwen3_next": ("Qwen3NextConfig", dict(TINY, layer_types=["linear_attention", "full_attention"],
+                                           linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
+                                           linear_value_head_dim=128, num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=128, shared_expert_intermediate_size=128)),
 }
 ENGINE = ["--max_num_seqs=4", "--max_num_batched_tokens=32", "--max_model_len=256", "--block_size=16"]
 
@@ -58,7 +63,7 @@ def model_json(tmp_path, name: str) -> str:
     fields = config.to_dict()
     fields["architectures"] = [{"gemma3": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "mixtral": "MixtralForCausalLM",
                                 "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_moe_64": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                                "mistral": "MistralForCausalLM"}.get(name, "LlamaForCausalLM")]
+                                "mistral": "MistralForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}.get(name, "LlamaForCausalLM")]
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(fields))
     return str(path)
@@ -120,7 +125,7 @@ def test_tier_block_moves_compile(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen3", "gemma3", "mistral", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "mistral", "qwen3_moe", "qwen3_next"])
 @pytest.mark.parametrize("target", ["--topology=v5e:2x2", "--gpu=h100"])
 def test_every_family_compiles(tmp_path, name, target):
     aot_compile(tmp_path, f"--model={model_json(tmp_path, name)}", target, *ENGINE, "--shapes=edges")
