@@ -156,7 +156,8 @@ def main(argv):
                                     on_plan=report.planned)
     except ValueError as e:  # a setting the compile cannot honour, found before any step compiles
         fail(e)
-    print(f"\n{result.target}, {result.num_devices} chip(s) of {mib(result.hbm_bytes)}; per chip: weights "
+    print(f"\n{result.target}, {result.num_devices} chip(s) of {mib(result.hbm_bytes)}, {result.attention_backend} "
+          f"attention; per chip: weights "
           f"{mib(result.weight_bytes)}, KV pool {result.num_blocks} blocks x {result.kv_bytes_per_block} bytes = "
           f"{mib(result.kv_pool_bytes)}, temporaries up to {mib(result.max_temp_bytes)}, code "
           f"{mib(result.generated_code_bytes)}; {result.max_batch_at_max_model_len} sequences of max_model_len "
