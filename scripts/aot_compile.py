@@ -156,7 +156,8 @@ def main(argv):
                                     on_plan=report.planned)
     except ValueError as e:  # a setting the compile cannot honour, found before any step compiles
         fail(e)
-    print(f"\n{result.target}, {result.num_devices} chip(s) of {mib(result.hbm_bytes)}; per chip: weights "
+    print(f"\n{result.target}, {result.num_devices} chip(s) of {mib(result.hbm_bytes)}, {result.attention_backend} "
+          f"attention; per chip: weights "
           f"{mib(result.weight_bytes)}, KV pool {result.num_blocks} blocks x {result.kv_bytes_per_block} bytes = "
           f"{mib(result.kv_pool_bytes)}, "
           f"{f'recurrent states {mib(result.state_pool_bytes)}, ' if result.state_pool_bytes else ''}temporaries up to "

@@ -65,7 +65,7 @@ def accelerator(name: str, args: list[str]) -> tuple[dict, dict, int]:
         return ({"google.com/tpu": str(chips // hosts)},
                 {"cloud.google.com/gke-tpu-accelerator": TPU[version],
                  "cloud.google.com/gke-tpu-topology": TPU_TOPOLOGY[version, chips]}, hosts)
-    m = re.search(r"-(h100)$", name)
+    m = re.search(r"-(h100)(?:x\d+)?$", name)  # "-h100" or "-h100x4": the GPUs are the tensor parallel size
     if m:
         tp = next((int(a.split("=", 1)[1]) for a in args if a.startswith("--tensor_parallel_size=")), 1)
         return {"nvidia.com/gpu": str(tp)}, {"cloud.google.com/gke-accelerator": GPU[m.group(1)]}, 1

@@ -28,7 +28,9 @@ from jpaged.entrypoints import roofline
 from jpaged.loading.model_loader import abstract_model, kv_replicated_config
 from jpaged.models import ModelConfig
 from jpaged.core.kv_cache_layout import KVCacheLayout, kv_cache_layout
-from jpaged.models.attention import attention_windows, make_attention_metadata, recurrent_state_arrays
+from jpaged.config import check_kv_cache_dtype
+from jpaged.models.attention import (attention_windows, make_attention_metadata, recurrent_state_arrays,
+                                     resolve_backend)
 from jpaged.runner import kv_pool
 from jpaged.runner.buckets import StepBuckets
 from jpaged.runner.inputs import prepare_inputs
@@ -75,6 +77,7 @@ class EngineCompile:
     steps: list[StepCompile]
     state_pool_bytes: int = 0  # the recurrent-state pools of a model with linear-attention layers
     roofline: dict = dataclasses.field(default_factory=dict)  # `roofline.estimate`: an estimate, not a measurement
+    attention_backend: str = "pallas"  # the backend compiled ("auto" on TPU/GPU: the Pallas kernels)
 
     @property
     def ok(self) -> bool:
@@ -145,12 +148,12 @@ def _placed(tree, sharding_of):
 
 
 def abstract_state(config: ModelConfig, mesh, *, dtype, quantization: str | None, expert_parallel: bool = False,
-                   lora: tuple[int, int] | None = None):
+                   lora: tuple[int, int] | None = None, attention_backend: str = "pallas"):
     """(graphdef, state, KV-cache layout): the model's parameters as structs placed by
     `sharding.param_spec`, and its layers' KV-cache groups. ``lora``: (adapter slots incl. slot
     0, max rank) of the LoRA slot stacks to attach (`jpaged.models.lora.attach_lora`)."""
     tp = mesh.shape[sharding.MODEL_AXIS]
-    model = abstract_model(config, dtype=dtype, attention_backend="pallas", quantization=quantization,
+    model = abstract_model(config, dtype=dtype, attention_backend=attention_backend, quantization=quantization,
                            expert_parallel=expert_parallel)
     if lora is not None:
         from jpaged.models.lora import attach_lora
@@ -179,12 +182,13 @@ def abstract_caches(config: ModelConfig, mesh, *, num_tensors: int, num_blocks: 
 
 def step_arguments(step, buckets: StepBuckets, mesh, layout: KVCacheLayout, processed_logprobs: bool = False,
                    num_lora_slots: int = 0):
-    """The step's inputs as the runner builds them (`prepare_inputs`, the pallas metadata with
-    every KV-cache group's tables and the LoRA slots, the padded sampling tensors of the engine's
-    ``logprobs_mode``), as replicated structs."""
+    """The step's inputs as the runner builds them (`prepare_inputs`, the metadata of the buckets'
+    attention backend with every KV-cache group's tables and the LoRA slots, the padded sampling
+    tensors of the engine's ``logprobs_mode``), as replicated structs."""
     inputs = prepare_inputs(step, buckets, layout.num_groups, num_lora_slots, recurrent=layout.num_recurrent > 0)
-    md = make_attention_metadata("pallas", positions=inputs.positions, slot_mapping=inputs.slot_mapping,
-                                 query_start_loc=inputs.query_start_loc, seq_lens=inputs.seq_lens,
+    md = make_attention_metadata(buckets.attention_backend, positions=inputs.positions,
+                                 slot_mapping=inputs.slot_mapping, query_start_loc=inputs.query_start_loc,
+                                 seq_lens=inputs.seq_lens,
                                  block_tables=inputs.block_tables, num_seqs=inputs.num_seqs,
                                  group_slot_mappings=inputs.group_slot_mappings,
                                  group_block_tables=inputs.group_block_tables,
@@ -280,11 +284,15 @@ def compile_engine(model_config: ModelConfig, config: EngineConfig, target: str,
     mesh, hbm = target_mesh(target, tp, topology)
     device = mesh.devices.flat[0]
     dtype, kv_dtype = resolve_dtypes(config, device.platform)
+    # the backend start-up picks for the chip ("auto": the Pallas kernels; "xla": the jnp loops)
+    backend = resolve_backend(config.attention_backend, device.platform)
+    check_kv_cache_dtype(config.cache.kv_cache_dtype, backend, device.platform,
+                         getattr(device, "compute_capability", None))
     mc, _ = kv_replicated_config(model_config, tp)
     max_model_len = sc.max_model_len or mc.max_position_embeddings
     num_lora_slots = config.max_loras + 1 if config.enable_lora else 0
     graphdef, state, layout = abstract_state(mc, mesh, dtype=dtype, quantization=config.quantization,
-                                             expert_parallel=config.enable_expert_parallel,
+                                             expert_parallel=config.enable_expert_parallel, attention_backend=backend,
                                              lora=(num_lora_slots, config.max_lora_rank) if num_lora_slots else None)
     weight_bytes = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
                        for x in jax.tree.leaves(state))
@@ -301,7 +309,7 @@ def compile_engine(model_config: ModelConfig, config: EngineConfig, target: str,
     if spec is not None and spec.method != "ngram":
         raise ValueError(f"speculative_config (method={spec.method!r}): only 'ngram' compiles ahead of time here "
                          "(a draft model's own steps are not in the plan)")
-    buckets = StepBuckets(sc.max_num_seqs, max_model_len, cc.block_size, "pallas", num_kv_groups=layout.num_groups,
+    buckets = StepBuckets(sc.max_num_seqs, max_model_len, cc.block_size, backend, num_kv_groups=layout.num_groups,
                           num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens)
     plan = PLANS[shapes](step_plan(buckets, max_tokens=sc.max_num_batched_tokens, max_seqs=sc.max_num_seqs,
                                    whole_step=True))
@@ -349,5 +357,6 @@ def compile_engine(model_config: ModelConfig, config: EngineConfig, target: str,
         roofline=deployment_roofline(state, mc, layout, target, per_block=per_block, block_size=cc.block_size, tp=tp,
                                      num_blocks=num_blocks, max_num_seqs=sc.max_num_seqs,
                                      max_batched_tokens=sc.max_num_batched_tokens, max_model_len=max_model_len,
-                                     steps=steps, state_bytes_per_seq=per_slot))
+                                     steps=steps, state_bytes_per_seq=per_slot),
+        attention_backend=backend)
 

@@ -20,7 +20,8 @@ and the blocks it needs follow the window, not the context. ``sinks`` (gpt-oss: 
 query head in the softmax's denominator, with no value) is an array the layer's caller passes at
 call time (a parameter of the model); the xla backend then runs the jnp loops (the C++ kernel has
 no sinks). ``attention_chunk`` (Llama 4's chunked local attention: a query at position p sees the
-keys of its chunk, ``p // chunk * chunk <= j <= p``) runs on the xla backend's jnp loops.
+keys of its chunk, ``p // chunk * chunk <= j <= p``) runs on the Pallas kernels and, on the xla
+backend, on the jnp loops (the C++ kernel has no chunks).
 
 Models with several KV-cache groups (layers of different windows: `jpaged.core.kv_cache_layout`)
 give each group its own block table and slot mapping: ``group_block_tables`` and
@@ -175,9 +176,10 @@ def _interpret() -> bool:
 
 
 def pallas_paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale, sliding_window=None,
-                           logits_soft_cap=None, sinks=None, **scales):
+                           logits_soft_cap=None, sinks=None, attention_chunk=None, **scales):
     """The decode kernel for a decode-only step, else the ragged kernel (interpret mode off TPU/GPU)."""
-    scales = dict(scales, **_set(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks))
+    scales = dict(scales, **_set(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
+                                 attention_chunk=attention_chunk))
     if md.decode_only:  # token s is sequence s's one query; rows past num_seqs are padding
         t, s = q.shape[0], md.seq_lens.shape[0]
         q_rows = q[:s] if t >= s else jnp.pad(q, ((0, s - t), (0, 0), (0, 0)))
@@ -195,7 +197,7 @@ def pallas_write_kv(k_pages, v_pages, k_new, v_new, slot_mapping, **scales):
 
 
 # name -> (write(k_pages, v_pages, k, v, slot_mapping, **scales), attend(q, k_pages, v_pages, md, *,
-# scale, sliding_window=None, logits_soft_cap=None, sinks=None, **scales)); ``scales`` is ``kv_scales=`` with
+# scale, sliding_window=None, logits_soft_cap=None, sinks=None, attention_chunk=None, **scales)); ``scales`` is ``kv_scales=`` with
 # 8-bit pages, else empty.
 BACKENDS = {"xla": (pallas_kernels.write_kv_reference, xla_paged_attention),
             "pallas": (pallas_write_kv, pallas_paged_attention)}
@@ -237,9 +239,6 @@ class PagedAttention(nnx.Module):
             raise ValueError(f"attention backend {backend!r}: expected one of {sorted(BACKENDS)}")
         pallas_kernels.shapes.check_knobs(sliding_window, logits_soft_cap)
         pallas_kernels.shapes.check_attention_chunk(attention_chunk)
-        if attention_chunk is not None and backend != "xla":
-            raise ValueError(f"attention_chunk_size={attention_chunk}: chunked attention runs on the xla attention "
-                             f"backend only (attention_backend={backend!r})")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.backend = backend

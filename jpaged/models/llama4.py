@@ -16,8 +16,9 @@ global layers and a mixture of experts with a shared expert.
 - Weights: each fused ``experts.gate_up_proj [E, hidden, 2 * intermediate]`` (gate first, up
   second) is split into ``gate_proj`` and ``up_proj`` at load.
 
-Chunked layers run on the xla attention backend (the jnp loops); their KV blocks are managed like
-a global layer's (all kept).
+Chunked layers run on either attention backend (the Pallas kernels start each query at its
+chunk's first page; the xla backend's jnp loops mask the same keys); their KV blocks are managed
+like a global layer's (all kept).
 """
 import jax
 import jax.numpy as jnp

@@ -26,6 +26,9 @@ GROUPS = (1, 2, 4, 8)
 KNOBS = ((None, None), (4096, None), (4096, 50.0))
 # gpt-oss's attention (64 query heads over 8 KV heads of 64, 128-token windows or none) with its sinks
 SINK_SHAPES = ((64, 16, 8, 128), (64, 32, 8, None))  # (head_dim, block_size, group, sliding_window)
+# Llama 4's chunked attention per chip at tensor parallel 8 (5 query heads over a KV head of 128), chunks shorter
+# than the 4,096-token context so that they bind
+CHUNK_SHAPES = ((128, 32, 5, 1024),)  # (head_dim, block_size, group, attention_chunk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +42,7 @@ class KernelCase:
       group: query heads per KV head (attention only).
       sliding_window, logits_soft_cap: attention knobs.
       sinks: attention with a sink per query head (gpt-oss), an operand.
+      attention_chunk: chunked local attention (Llama 4), a knob.
       num_kv_heads, num_seqs, max_len, num_tokens: problem size.
     """
 
@@ -50,6 +54,7 @@ class KernelCase:
     sliding_window: int | None = None
     logits_soft_cap: float | None = None
     sinks: bool = False
+    attention_chunk: int | None = None
     num_kv_heads: int = 8
     num_seqs: int = 32
     max_len: int = 4096
@@ -66,6 +71,8 @@ class KernelCase:
             parts.append(f"cap{self.logits_soft_cap:g}")
         if self.sinks:
             parts.append("sinks")
+        if self.attention_chunk is not None:
+            parts.append(f"chunk{self.attention_chunk}")
         return "-".join(parts)
 
     def build(self, backend: str):
@@ -83,6 +90,8 @@ class KernelCase:
         knobs = dict(backend=backend)
         attn = dict(knobs, scale=self.head_dim ** -0.5, sliding_window=self.sliding_window,
                     logits_soft_cap=self.logits_soft_cap)
+        if self.attention_chunk is not None:
+            attn["attention_chunk"] = self.attention_chunk
         sink = [s((hq,), jnp.float32)] if self.sinks else []
         if self.kernel == "paged_attention":
             fn = _with_scales(_with_sinks(functools.partial(paged_attention, **attn), self.sinks), quantized)
@@ -147,12 +156,17 @@ def full(dtypes) -> list[KernelCase]:
         cases += [KernelCase(kernel, dtype, d, bs, g) for g in groups]
     for kernel, dtype, bs, (w, cap) in itertools.product(ATTENTION, dtypes, BLOCK_SIZES, KNOBS[1:]):
         cases.append(KernelCase(kernel, dtype, 128, bs, 4, w, cap))
-    return cases + _sink_cases(dtypes)
+    return cases + _sink_cases(dtypes) + _chunk_cases(dtypes)
 
 
 def _sink_cases(dtypes) -> list[KernelCase]:
     return [KernelCase(kernel, dtype, d, bs, g, w, sinks=True)
             for kernel, dtype, (d, bs, g, w) in itertools.product(ATTENTION, dtypes, SINK_SHAPES)]
+
+
+def _chunk_cases(dtypes) -> list[KernelCase]:
+    return [KernelCase(kernel, dtype, d, bs, g, attention_chunk=c)
+            for kernel, dtype, (d, bs, g, c) in itertools.product(ATTENTION, dtypes, CHUNK_SHAPES)]
 
 
 def cross_section(dtypes) -> list[KernelCase]:
@@ -164,7 +178,7 @@ def cross_section(dtypes) -> list[KernelCase]:
         for i, (d, bs, g) in enumerate(shapes):
             w, cap = KNOBS[i % len(KNOBS)] if kernel in ATTENTION else (None, None)
             cases.append(KernelCase(kernel, dtype, d, bs, g if kernel in ATTENTION else 1, w, cap))
-    return cases + _sink_cases(dtypes)
+    return cases + _sink_cases(dtypes) + _chunk_cases(dtypes)
 
 
 PRESETS = {"cross_section": cross_section, "full": full}

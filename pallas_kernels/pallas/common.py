@@ -151,18 +151,29 @@ def gpu_call(kernel, *, grid, in_specs, out_specs, out_shape, num_warps=4,
 # ---------------------------------------------------------------------------
 
 
-def window_start(position, sliding_window):
-    """First key a query at ``position`` sees: 0, or ``position - sliding_window + 1`` (>= 0)."""
-    if sliding_window is None:
-        return jnp.zeros_like(position)
-    return jnp.maximum(position - sliding_window + 1, 0)
+def chunk_start(position, attention_chunk):
+    """The first position of the attention chunk holding ``position`` (>= 0):
+    ``position // chunk * chunk``, by truncating division (positions are not negative)."""
+    return lax.div(position, attention_chunk) * attention_chunk
 
 
-def visible(q_pos, k_pos, sliding_window):
-    """Causal (and sliding-window) mask: key ``k_pos`` is visible from ``q_pos``."""
+def window_start(position, sliding_window, attention_chunk=None):
+    """First key a query at ``position`` sees: 0, or ``position - sliding_window + 1`` (>= 0),
+    and not before the first position of its attention chunk."""
+    start = jnp.zeros_like(position) if sliding_window is None else jnp.maximum(position - sliding_window + 1, 0)
+    if attention_chunk is not None:
+        start = jnp.maximum(start, chunk_start(position, attention_chunk))
+    return start
+
+
+def visible(q_pos, k_pos, sliding_window, attention_chunk=None):
+    """Causal mask, with the sliding window and the attention chunk (Llama 4: ``p // chunk *
+    chunk <= j``) where set: key ``k_pos`` is visible from ``q_pos``."""
     mask = k_pos <= q_pos
     if sliding_window is not None:
         mask &= k_pos > q_pos - sliding_window
+    if attention_chunk is not None:
+        mask &= k_pos >= chunk_start(q_pos, attention_chunk)
     return mask
 
 

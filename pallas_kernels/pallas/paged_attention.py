@@ -24,6 +24,8 @@ Knobs: ``sliding_window`` (a query at position ``p`` sees keys ``j`` with
 ``p - sliding_window < j <= p``) and ``logits_soft_cap`` (``cap * tanh(s /
 cap)`` on the scaled logits, Gemma 2). With a window the kernels start at the
 page holding the first visible key: work follows the window, not the context.
+``attention_chunk`` (Llama 4's chunked local attention): a query at position ``p`` sees keys
+``p // chunk * chunk <= j <= p``, the kernels starting at its chunk's first page.
 ``sinks`` (gpt-oss), float ``[num_q_heads]``: a logit per head in the softmax's
 denominator with no value; the kernels start each row's online softmax from it
 (``m = sink``, ``l = 1``), an extra ``[group, 128]`` (TPU) / ``[group]`` (GPU)
@@ -78,7 +80,8 @@ from pallas_kernels.pallas.common import (
     PageCopies, attend_block, dispatch, finalize_softmax, gpu_block, gpu_call,
     gpu_keys_per_step, gpu_pool_specs, gpu_steps, gpu_supported, gpu_table, init_softmax_carry,
     sink_rows, tpu_call, tpu_scale_buffer, unpack_scale_row, window_start, with_scale_args)
-from pallas_kernels.shapes import check_attention_shapes, check_knobs, check_sinks, next_power_of_two
+from pallas_kernels.shapes import (check_attention_chunk, check_attention_shapes, check_knobs, check_sinks,
+                                   next_power_of_two)
 
 
 # ---------------------------------------------------------------------------
@@ -98,6 +101,7 @@ def _tpu_kernel(
     sliding_window: int | None,
     logits_soft_cap: float | None,
     has_sinks: bool = False,
+    attention_chunk: int | None = None,
 ):
     # refs: [sinks_ref [group, 128] (VMEM) with sinks], then, n = 2 (K, V) or 3 (K, V, scale
     # words) pool arrays:
@@ -115,7 +119,7 @@ def _tpu_kernel(
     bk = ppcb * block_size
     group = q_ref.shape[0]
     seq_len = seq_lens_ref[s]
-    kv_start = window_start(seq_len - 1, sliding_window)
+    kv_start = window_start(seq_len - 1, sliding_window, attention_chunk)
     first_page = lax.div(kv_start, block_size)
     num_pages = pl.cdiv(seq_len, block_size)
     num_steps = pl.cdiv(num_pages - first_page, ppcb)
@@ -161,7 +165,7 @@ def _tpu_kernel(
 
 def _paged_attention_tpu(q, k_pages, v_pages, block_tables, seq_lens, *scales,
                          scale, pages_per_compute_block, sliding_window, logits_soft_cap,
-                         interpret, sinks=None):
+                         interpret, sinks=None, attention_chunk=None):
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
@@ -178,7 +182,7 @@ def _paged_attention_tpu(q, k_pages, v_pages, block_tables, seq_lens, *scales,
         bufs.append(tpu_scale_buffer(ppcb, block_size))
     kernel = functools.partial(_tpu_kernel, pages_per_seq=pages_per_seq, scale=scale,
                                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                               has_sinks=sinks is not None)
+                               has_sinks=sinks is not None, attention_chunk=attention_chunk)
     sink_inputs, sink_specs = (), []
     if sinks is not None:
         sink_inputs = (sink_rows(sinks, num_kv_heads, group, lanes=128),)
@@ -211,6 +215,7 @@ def _gpu_kernel(
     sliding_window: int | None,
     logits_soft_cap: float | None,
     has_sinks: bool = False,
+    attention_chunk: int | None = None,
 ):
     # sinks_ref: [group_padded] (this kv head)
     sinks = None
@@ -221,7 +226,7 @@ def _gpu_kernel(
     group, head_dim = q_ref.shape
     block_size = k_ref.shape[1]
     seq_len = seq_len_ref[()]
-    kv_start = window_start(seq_len - 1, sliding_window)
+    kv_start = window_start(seq_len - 1, sliding_window, attention_chunk)
     num_steps, locate = gpu_steps(kv_start, seq_len, block_size, keys)
     q = q_ref[...]
 
@@ -247,7 +252,7 @@ def _gpu_kernel(
 
 def _paged_attention_gpu(q, k_pages, v_pages, block_tables, seq_lens, *scales,
                          scale, pages_per_compute_block, sliding_window, logits_soft_cap,
-                         interpret, sinks=None, num_warps=4, num_stages=2):
+                         interpret, sinks=None, attention_chunk=None, num_warps=4, num_stages=2):
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
@@ -264,7 +269,8 @@ def _paged_attention_gpu(q, k_pages, v_pages, block_tables, seq_lens, *scales,
                            lambda s, h: (s, h, 0, 0))
     pool_specs, words = gpu_pool_specs(k_pages, scales, lambda s, h: h)
     kernel = functools.partial(_gpu_kernel, keys=keys, scale=scale, sliding_window=sliding_window,
-                               logits_soft_cap=logits_soft_cap, has_sinks=sinks is not None)
+                               logits_soft_cap=logits_soft_cap, has_sinks=sinks is not None,
+                               attention_chunk=attention_chunk)
     sink_inputs, sink_specs = (), []
     if sinks is not None:
         sink_inputs = (sink_rows(sinks, num_kv_heads, group_p, group_p),)
@@ -290,7 +296,7 @@ def _paged_attention_gpu(q, k_pages, v_pages, block_tables, seq_lens, *scales,
 @functools.partial(
     jax.jit,
     static_argnames=["scale", "pages_per_compute_block", "sliding_window", "logits_soft_cap",
-                     "backend", "interpret"])
+                     "attention_chunk", "backend", "interpret"])
 def paged_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -304,6 +310,7 @@ def paged_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: jax.Array | None = None,
+    attention_chunk: int | None = None,
     backend: str | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -326,6 +333,8 @@ def paged_attention(
       logits_soft_cap: None, or the scaled logits ``s`` become ``cap * tanh(s / cap)``.
       sinks: None, or float ``[num_q_heads]``: each head's attention sink (gpt-oss), a logit in
         the softmax's denominator that takes no value.
+      attention_chunk: None, or the query sees only the keys of its chunk,
+        ``j >= (seq_len - 1) // attention_chunk * attention_chunk`` (Llama 4).
       backend: ``None``/``"auto"``, ``"tpu"``, ``"gpu"`` or ``"xla"``; see the
         module docstring.
       interpret: run the Pallas kernel in interpret mode (any host).
@@ -337,13 +346,18 @@ def paged_attention(
     check_attention_shapes(q, k_pages, v_pages, block_tables, seq_lens)
     check_knobs(sliding_window, logits_soft_cap)
     check_sinks(sinks, q.shape[1])
+    check_attention_chunk(attention_chunk)
     scales = quant.pools_of(k_pages, v_pages, kv_scales)[2:]
     if pages_per_compute_block < 1:
         raise ValueError(f"{pages_per_compute_block=} must be >= 1")
     knobs = dict(scale=scale, pages_per_compute_block=pages_per_compute_block,
                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
-    if sinks is not None:  # only then an operand: the kernels without sinks are unchanged
-        knobs["sinks"] = sinks
+    extra = {}  # only when set: the kernels without sinks or chunks are unchanged
+    if sinks is not None:
+        extra["sinks"] = sinks
+    if attention_chunk is not None:
+        extra["attention_chunk"] = attention_chunk
+    knobs.update(extra)
     head_dim, block_size = q.shape[-1], k_pages.shape[2]
     impl = dispatch(
         backend, interpret,
@@ -351,6 +365,5 @@ def paged_attention(
         gpu=(functools.partial(_paged_attention_gpu, **knobs)
              if gpu_supported(head_dim, block_size) else None),
         xla=with_scale_args(jnp_attention.paged_attention_reference, 5, scale=scale,
-                            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                            **({} if sinks is None else {"sinks": sinks})))
+                            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, **extra))
     return impl(q, k_pages, v_pages, block_tables, seq_lens, *scales)

@@ -5,7 +5,8 @@ The batch is a flat list of query tokens; sequence ``s`` owns rows
 of context *including* its new ones (their K/V are already in the pool). Its
 row ``i`` (of ``q_len``) sits at position ``seq_lens[s] - q_len + i`` and
 attends causally to keys ``0 .. position`` (with ``sliding_window``, to keys
-``position - sliding_window < j <= position``; ``logits_soft_cap`` caps the
+``position - sliding_window < j <= position``; with ``attention_chunk``, Llama 4's
+chunked local attention, to keys ``position // chunk * chunk <= j``; ``logits_soft_cap`` caps the
 scaled logits with ``cap * tanh(s / cap)``; ``sinks``, one logit per head,
 start every row's softmax: see ``paged_attention.py``). Sequences at/after ``num_seqs``
 and rows at/after ``query_start_loc[num_seqs]`` are padding (zero output).
@@ -21,7 +22,7 @@ consecutive tokens and may span several sequences. Per tile the kernel loops
 over the sequences that own rows of it (a range precomputed by the wrapper),
 and for each runs an online softmax over the compute blocks of
 ``pages_per_compute_block`` pages from the page holding the first key any of
-its rows sees (the window's start) up to the tile's last causal position of
+its rows sees (the window's or the chunk's start) up to the tile's last causal position of
 that sequence, then writes that sequence's rows of the tile. Every row
 belongs to exactly one sequence, so no softmax state crosses sequences.
 
@@ -61,7 +62,8 @@ from pallas_kernels.pallas.common import (
     PageCopies, attend_block, dispatch, finalize_softmax, gpu_block, gpu_call,
     gpu_keys_per_step, gpu_pool_specs, gpu_steps, gpu_supported, gpu_table, init_softmax_carry,
     sink_rows, tpu_call, tpu_scale_buffer, unpack_scale_row, visible, window_start, with_scale_args)
-from pallas_kernels.shapes import check_attention_shapes, check_knobs, check_sinks, next_power_of_two
+from pallas_kernels.shapes import (check_attention_chunk, check_attention_shapes, check_knobs, check_sinks,
+                                   next_power_of_two)
 
 # Elements of a Triton program's [rows, head_dim or keys] tiles that 4 warps keep in registers
 # without spilling (ptxas, sm_90: docs/tpu_gpu.md); up to twice as many get 8 warps.
@@ -86,7 +88,7 @@ def _tile_metadata(query_start_loc, num_seqs, num_tiles, tile):
     return qsl, first.astype(jnp.int32), end.astype(jnp.int32)
 
 
-def _seq_rows(qsl_ref, seq_lens_ref, s, tile_start, tile, sliding_window):
+def _seq_rows(qsl_ref, seq_lens_ref, s, tile_start, tile, sliding_window, attention_chunk=None):
     """Where sequence ``s`` meets a tile.
 
     Returns ``(lo, hi, first_pos, kv_start, kv_end)``: its rows in the tile are
@@ -99,15 +101,15 @@ def _seq_rows(qsl_ref, seq_lens_ref, s, tile_start, tile, sliding_window):
     hi = jnp.minimum(q_end, tile_start + tile)
     first_pos = seq_lens_ref[s] - (q_end - q_start) - q_start
     kv_end = jnp.where(lo < hi, first_pos + hi, 0)
-    kv_start = jnp.where(lo < hi, window_start(first_pos + lo, sliding_window), 0)
+    kv_start = jnp.where(lo < hi, window_start(first_pos + lo, sliding_window, attention_chunk), 0)
     return lo, hi, first_pos, kv_start, kv_end
 
 
-def _mask(first_pos, tile_start, col_start, group, shape, sliding_window):
+def _mask(first_pos, tile_start, col_start, group, shape, sliding_window, attention_chunk=None):
     rows = tile_start + lax.div(lax.broadcasted_iota(jnp.int32, shape, 0),
                                 group)
     cols = col_start + lax.broadcasted_iota(jnp.int32, shape, 1)
-    return visible(first_pos + rows, cols, sliding_window)
+    return visible(first_pos + rows, cols, sliding_window, attention_chunk)
 
 
 def _row_mask(lo, hi, tile_start, group, n):
@@ -137,6 +139,7 @@ def _tpu_kernel(
     sliding_window: int | None,
     logits_soft_cap: float | None,
     has_sinks: bool = False,
+    attention_chunk: int | None = None,
 ):
     # refs: [sinks_ref [tile * group, 128] (VMEM) with sinks], then, m = 2 (K, V) or 3 (K, V,
     # scale words) pool arrays:
@@ -167,7 +170,7 @@ def _tpu_kernel(
 
     def seq_body(s, out):
         lo, hi, first_pos, kv_start, kv_end = _seq_rows(
-            qsl_ref, seq_lens_ref, s, tile_start, tile, sliding_window)
+            qsl_ref, seq_lens_ref, s, tile_start, tile, sliding_window, attention_chunk)
         first_page = lax.div(kv_start, block_size)
         num_pages = pl.cdiv(kv_end, block_size)
         num_steps = pl.cdiv(jnp.maximum(num_pages - first_page, 0), ppcb)
@@ -194,7 +197,7 @@ def _tpu_kernel(
             v = v_buf[slot].astype(compute_dtype).reshape(bk, head_dim)
             rows = start + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
             v = jnp.where(rows < kv_end, v, jnp.zeros_like(v))
-            mask = _mask(first_pos, tile_start, start, group, (n, bk), sliding_window)
+            mask = _mask(first_pos, tile_start, start, group, (n, bk), sliding_window, attention_chunk)
             scale_rows = None
             if m == 3:  # 8-bit pages
                 scale_rows = unpack_scale_row(
@@ -214,7 +217,8 @@ def _tpu_kernel(
 
 def _ragged_tpu(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
                 num_seqs, *scales, scale, num_queries_per_block,
-                pages_per_compute_block, sliding_window, logits_soft_cap, interpret, sinks=None):
+                pages_per_compute_block, sliding_window, logits_soft_cap, interpret, sinks=None,
+                attention_chunk=None):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
@@ -232,7 +236,8 @@ def _ragged_tpu(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
         bufs.append(tpu_scale_buffer(ppcb, block_size))
     kernel = functools.partial(_tpu_kernel, group=group, pages_per_seq=pages_per_seq,
                                scale=scale, sliding_window=sliding_window,
-                               logits_soft_cap=logits_soft_cap, has_sinks=sinks is not None)
+                               logits_soft_cap=logits_soft_cap, has_sinks=sinks is not None,
+                               attention_chunk=attention_chunk)
     sink_inputs, sink_specs = (), []
     if sinks is not None:
         sink_inputs = (sink_rows(sinks, num_kv_heads, tile * group, lanes=128),)
@@ -286,6 +291,7 @@ def _gpu_kernel(
     sliding_window: int | None,
     logits_soft_cap: float | None,
     has_sinks: bool = False,
+    attention_chunk: int | None = None,
 ):
     # sinks_ref: [tile * group] (this kv head)
     sinks = None
@@ -304,7 +310,7 @@ def _gpu_kernel(
 
     def seq_body(s, out):
         lo, hi, first_pos, kv_start, kv_end = _seq_rows(
-            qsl_ref, seq_lens_ref, s, tile_start, tile, sliding_window)
+            qsl_ref, seq_lens_ref, s, tile_start, tile, sliding_window, attention_chunk)
         num_steps, locate = gpu_steps(kv_start, kv_end, block_size, keys)
 
         def table(page, count):
@@ -319,7 +325,7 @@ def _gpu_kernel(
             if words:  # 8-bit pages: cast (exact) to the query dtype
                 k, v = k.astype(q.dtype), v.astype(q.dtype)
             v = jnp.where((start + jnp.arange(keys) < kv_end)[:, None], v, 0)
-            mask = _mask(first_pos, tile_start, start, group, (n, keys), sliding_window)
+            mask = _mask(first_pos, tile_start, start, group, (n, keys), sliding_window, attention_chunk)
             scale_rows = None
             if words:
                 scale_rows = unpack_scale_row(words[0], start + jnp.arange(keys)[None, :], kv_end)
@@ -354,7 +360,7 @@ def _gpu_tiling(num_queries_per_block, group, head_dim, keys, eight_bit, windowe
 def _ragged_gpu(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
                 num_seqs, *scales, scale, num_queries_per_block,
                 pages_per_compute_block, sliding_window, logits_soft_cap, interpret, sinks=None,
-                num_stages=2):
+                attention_chunk=None, num_stages=2):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pages.shape
     pages_per_seq = block_tables.shape[1]
@@ -364,7 +370,7 @@ def _ragged_gpu(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
     # not a power of two is padded with zero query heads.
     group = next_power_of_two(num_q_heads // num_kv_heads)
     tile, num_warps = _gpu_tiling(num_queries_per_block, group, head_dim, keys, bool(scales),
-                                  sliding_window is not None and keys > head_dim)
+                                  (sliding_window is not None or attention_chunk is not None) and keys > head_dim)
     num_tiles = pl.cdiv(num_tokens, tile)
     qg, unpack = _group_queries(q, num_kv_heads, num_tiles * tile, group)
     qsl, first, end = _tile_metadata(query_start_loc, num_seqs, num_tiles, tile)
@@ -378,7 +384,7 @@ def _ragged_gpu(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
     metadata = (tables, seq_lens.astype(jnp.int32), qsl, first, end)
     kernel = functools.partial(_gpu_kernel, group=group, keys=keys, scale=scale,
                                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                               has_sinks=sinks is not None)
+                               has_sinks=sinks is not None, attention_chunk=attention_chunk)
     sink_inputs, sink_specs = (), []
     if sinks is not None:
         sink_inputs = (sink_rows(sinks, num_kv_heads, tile * group, group),)
@@ -402,7 +408,7 @@ def _ragged_gpu(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
 @functools.partial(
     jax.jit,
     static_argnames=["scale", "num_queries_per_block", "pages_per_compute_block",
-                     "sliding_window", "logits_soft_cap", "backend", "interpret"])
+                     "sliding_window", "logits_soft_cap", "attention_chunk", "backend", "interpret"])
 def ragged_paged_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -419,6 +425,7 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: jax.Array | None = None,
+    attention_chunk: int | None = None,
     backend: str | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -443,6 +450,8 @@ def ragged_paged_attention(
         sliding_window``.
       logits_soft_cap: None, or the scaled logits ``s`` become ``cap * tanh(s / cap)``.
       sinks: None, or float ``[num_q_heads]``: each head's attention sink (gpt-oss).
+      attention_chunk: None, or a row at position ``p`` sees only the keys of its chunk,
+        ``j >= p // attention_chunk * attention_chunk`` (Llama 4's chunked local attention).
       backend: ``None``/``"auto"``, ``"tpu"``, ``"gpu"`` or ``"xla"``; see
         ``paged_attention.py``.
       interpret: run the Pallas kernel in interpret mode (any host).
@@ -454,6 +463,7 @@ def ragged_paged_attention(
     check_attention_shapes(q, k_pages, v_pages, block_tables, seq_lens)
     check_knobs(sliding_window, logits_soft_cap)
     check_sinks(sinks, q.shape[1])
+    check_attention_chunk(attention_chunk)
     scales = quant.pools_of(k_pages, v_pages, kv_scales)[2:]
     if query_start_loc.shape != (block_tables.shape[0] + 1,):
         raise ValueError(f"query_start_loc must be [max_seqs + 1] = "
@@ -468,7 +478,9 @@ def ragged_paged_attention(
     knobs = dict(scale=scale, num_queries_per_block=num_queries_per_block,
                  pages_per_compute_block=pages_per_compute_block,
                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
-    sink_knob = {} if sinks is None else {"sinks": sinks}  # the kernels without sinks are unchanged
+    # the kernels without sinks or chunks are unchanged
+    sink_knob = ({} if sinks is None else {"sinks": sinks}) | ({} if attention_chunk is None
+                                                              else {"attention_chunk": attention_chunk})
     knobs.update(sink_knob)
     tpu_ok = num_queries_per_block % 16 == 0
     gpu_ok = gpu_supported(head_dim, block_size)

@@ -85,14 +85,17 @@ def aot_compile(tmp_path, *flags, timeout=3000) -> dict:
     pytest.param("gemma2", ["--topology=v6e:2x2"], marks=pytest.mark.slow),
     pytest.param("mixtral", ["--gpu=h100", "--enable_expert_parallel", "--tensor_parallel_size=2"],
                  marks=pytest.mark.slow),
+    pytest.param("llama", ["--topology=v5e:2x2", "--attention_backend=xla"], marks=pytest.mark.slow),
 ])
 def test_small_models_compile(tmp_path, name, target):
     """A Llama over two v5e chips (the decode-only and mixed steps, greedy and sampled), a Gemma 2 on
-    v6e (windowed and global KV-cache groups, soft caps) and a Mixtral on two H100s, experts split."""
+    v6e (windowed and global KV-cache groups, soft caps), a Mixtral on two H100s, experts split, and
+    a Llama on the xla attention backend (the jnp loops, as ``--attention_backend=xla`` serves)."""
     figures = aot_compile(tmp_path, f"--model={model_json(tmp_path, name)}", *target, *ENGINE, "--shapes=edges")
     names = [step["name"] for step in figures["steps"]]
     assert any(n.endswith("decode-only") for n in names) and any("sampled" in n for n in names), names
     assert figures["num_devices"] == (2 if "--tensor_parallel_size=2" in target else 1)
+    assert figures["attention_backend"] == ("xla" if "--attention_backend=xla" in target else "pallas")
     assert figures["weight_bytes"] > 0 and figures["max_temp_bytes"] > 0
     roofline = figures["roofline"]  # the estimate beside the fit (tests/entrypoints/test_roofline.py checks its arithmetic)
     assert roofline["label"].startswith("estimate") and roofline["source"].startswith("https://")

@@ -121,6 +121,34 @@ def test_configs_it_cannot_serve_are_refused_before_any_weight(tmp_path, change,
         load_model(str(tmp_path), dtype=np.float32, attention_backend="xla")
 
 
+def test_120b_deployment_config_as_transformers_reads_it():
+    """configs/models/gpt-oss-120b.json (transcribed from the published config): the engine's model
+    facts and its windows equal transformers' GptOssConfig's, and the abstract model holds the
+    published 116.8B parameters (128 experts of 3 x 2880 x 2880 in each of 36 layers)."""
+    import jax
+    import jax.numpy as jnp
+    import transformers
+    from flax import nnx
+
+    from jpaged.loading import hf_checkpoint
+    from jpaged.loading.model_loader import abstract_model
+    from run_script import REPO_ROOT
+
+    with open(os.path.join(REPO_ROOT, "configs", "models", "gpt-oss-120b.json")) as f:
+        fields = json.load(f)
+    mc = hf_checkpoint.model_config(fields, "gpt-oss-120b.json")
+    theirs = transformers.GptOssConfig(**{k: v for k, v in fields.items() if k != "architectures"})
+    assert (mc.num_layers, mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.vocab_size,
+            mc.intermediate_size) == (theirs.num_hidden_layers, theirs.hidden_size, theirs.num_attention_heads,
+                                      theirs.num_key_value_heads, theirs.head_dim, theirs.vocab_size,
+                                      theirs.intermediate_size) == (36, 2880, 64, 8, 64, 201088, 2880)
+    assert list(mc.sliding_windows) == [128 if t == "sliding_attention" else None for t in theirs.layer_types]
+    assert mc.rope_scaling["rope_type"] == theirs.rope_parameters["rope_type"] == "yarn"
+    model = abstract_model(mc, dtype=jnp.bfloat16, attention_backend="pallas")
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert round(params / 1e9, 1) == 116.8
+
+
 def _tokens(llm, prompts, n):
     params = SamplingParams(temperature=0, max_tokens=n, min_tokens=n)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
