@@ -42,9 +42,9 @@ def launch() -> int:
 def serve() -> None:
     import jax
 
-    if os.environ.get("JAX_PLATFORMS") == "cpu":  # CPU devices talk across processes through gloo
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(F.coordinator, num_processes=F.num_processes, process_id=F.process_id)
+    from jpaged.serve.multihost_replica import join
+
+    join(F.coordinator, F.num_processes, F.process_id)  # CPU devices talk across processes through gloo
     from jpaged import LLM, SamplingParams
 
     llm = LLM(F.model, tensor_parallel_size=jax.device_count(), num_kv_blocks=256, max_model_len=512)

@@ -43,7 +43,7 @@ class HostAdapterCache:
         adapter = self._in_memory.get(request.lora_int_id) or self._adapters.get(request.lora_int_id)
         if adapter is not None:
             self._check_same(adapter, request.lora_int_id, request.lora_name, request.lora_path)
-        if adapter is None:
+        else:
             adapter = load_peft_adapter(request, self.shapes, self.max_rank, self.dtype)
             self.num_loads += 1
             self._adapters[request.lora_int_id] = adapter

@@ -151,6 +151,13 @@ def gpu_call(kernel, *, grid, in_specs, out_specs, out_shape, num_warps=4,
 # ---------------------------------------------------------------------------
 
 
+def optional_knobs(*, sinks=None, attention_chunk=None) -> dict:
+    """The knobs a caller set among ``sinks`` and ``attention_chunk``: only those are passed on, so
+    the kernels (and their compiled code) without sinks or chunks are unchanged."""
+    return {name: value for name, value in (("sinks", sinks), ("attention_chunk", attention_chunk))
+            if value is not None}
+
+
 def chunk_start(position, attention_chunk):
     """The first position of the attention chunk holding ``position`` (>= 0):
     ``position // chunk * chunk``, by truncating division (positions are not negative)."""

@@ -79,7 +79,7 @@ from pallas_kernels.jnp import attention as jnp_attention
 from pallas_kernels.pallas.common import (
     PageCopies, attend_block, dispatch, finalize_softmax, gpu_block, gpu_call,
     gpu_keys_per_step, gpu_pool_specs, gpu_steps, gpu_supported, gpu_table, init_softmax_carry,
-    sink_rows, tpu_call, tpu_scale_buffer, unpack_scale_row, window_start, with_scale_args)
+    optional_knobs, sink_rows, tpu_call, tpu_scale_buffer, unpack_scale_row, window_start, with_scale_args)
 from pallas_kernels.shapes import (check_attention_chunk, check_attention_shapes, check_knobs, check_sinks,
                                    next_power_of_two)
 
@@ -352,11 +352,7 @@ def paged_attention(
         raise ValueError(f"{pages_per_compute_block=} must be >= 1")
     knobs = dict(scale=scale, pages_per_compute_block=pages_per_compute_block,
                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
-    extra = {}  # only when set: the kernels without sinks or chunks are unchanged
-    if sinks is not None:
-        extra["sinks"] = sinks
-    if attention_chunk is not None:
-        extra["attention_chunk"] = attention_chunk
+    extra = optional_knobs(sinks=sinks, attention_chunk=attention_chunk)
     knobs.update(extra)
     head_dim, block_size = q.shape[-1], k_pages.shape[2]
     impl = dispatch(

@@ -61,7 +61,7 @@ from pallas_kernels.jnp import attention as jnp_attention
 from pallas_kernels.pallas.common import (
     PageCopies, attend_block, dispatch, finalize_softmax, gpu_block, gpu_call,
     gpu_keys_per_step, gpu_pool_specs, gpu_steps, gpu_supported, gpu_table, init_softmax_carry,
-    sink_rows, tpu_call, tpu_scale_buffer, unpack_scale_row, visible, window_start, with_scale_args)
+    optional_knobs, sink_rows, tpu_call, tpu_scale_buffer, unpack_scale_row, visible, window_start, with_scale_args)
 from pallas_kernels.shapes import (check_attention_chunk, check_attention_shapes, check_knobs, check_sinks,
                                    next_power_of_two)
 
@@ -478,10 +478,8 @@ def ragged_paged_attention(
     knobs = dict(scale=scale, num_queries_per_block=num_queries_per_block,
                  pages_per_compute_block=pages_per_compute_block,
                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
-    # the kernels without sinks or chunks are unchanged
-    sink_knob = ({} if sinks is None else {"sinks": sinks}) | ({} if attention_chunk is None
-                                                              else {"attention_chunk": attention_chunk})
-    knobs.update(sink_knob)
+    extra = optional_knobs(sinks=sinks, attention_chunk=attention_chunk)
+    knobs.update(extra)
     tpu_ok = num_queries_per_block % 16 == 0
     gpu_ok = gpu_supported(head_dim, block_size)
     impl = dispatch(
@@ -490,6 +488,6 @@ def ragged_paged_attention(
         gpu=functools.partial(_ragged_gpu, **knobs) if gpu_ok else None,
         xla=with_scale_args(jnp_attention.ragged_paged_attention_reference, 7, scale=scale,
                             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                            **sink_knob))
+                            **extra))
     return impl(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
                 num_seqs, *scales)
