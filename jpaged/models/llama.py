@@ -49,7 +49,7 @@ class LlamaAttention(nnx.Module):
         t = x.shape[0]
         q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
         if self.lora is not None:
-            q, k, v = (self.lora.add(name, x, y, md.lora) for name, y in (("q_proj", q), ("k_proj", k), ("v_proj", v)))
+            q, k, v = self.lora.add(("q_proj", "k_proj", "v_proj"), x, (q, k, v), md.lora)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
@@ -63,7 +63,7 @@ class LlamaAttention(nnx.Module):
         out = out.reshape(t, -1)
         if self.lora is None:
             return self.o_proj(out), kv_cache
-        return self.lora.add("o_proj", out, self.o_proj(out), md.lora), kv_cache
+        return self.lora.add(("o_proj",), out, (self.o_proj(out),), md.lora)[0], kv_cache
 
     @staticmethod
     def hf_weight_map(c: ModelConfig, path: tuple, prefix: str, qk_norm: bool):
@@ -95,10 +95,9 @@ class LlamaMLP(nnx.Module):
         gate, up = project(x, self.gate_proj, self.up_proj)
         if self.lora is None or lora_inputs is None:
             return self.down_proj(self.act(gate) * up)
-        gate = self.lora.add("gate_proj", x, gate, lora_inputs)
-        up = self.lora.add("up_proj", x, up, lora_inputs)
+        gate, up = self.lora.add(("gate_proj", "up_proj"), x, (gate, up), lora_inputs)
         h = self.act(gate) * up
-        return self.lora.add("down_proj", h, self.down_proj(h), lora_inputs)
+        return self.lora.add(("down_proj",), h, (self.down_proj(h),), lora_inputs)[0]
 
     @staticmethod
     def hf_weight_map(path: tuple, prefix: str):

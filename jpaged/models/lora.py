@@ -13,14 +13,13 @@ Two forms of the delta, chosen per backend when the stacks are attached (``delta
   computed on the host), two `jax.lax.ragged_dot` grouped matmuls over the slots' contiguous token
   groups, and the inverse permutation (`ragged_delta`); the accelerators' grouped-matmul kernels
   read each slot's factors once.
-- ``"dense"`` (CPU): every token through every slot's A at once (``[T, slots * rank]``, one
-  GEMM), the columns of the other slots zeroed by the token's one-hot slot mask, then one GEMM
-  with all slots' B (`dense_delta`). XLA's CPU lowering of ``ragged_dot`` is slower than this at
-  every decode and prefill shape measured (docs/lora.md): with few slots of small rank the two
-  dense GEMMs are cheap and need no sort.
-
-  Steps of at most `GATHER_MAX_TOKENS` tokens gather each token's factors instead
-  (`gather_delta`), which does only the token's own slot's work.
+- ``"dense"`` (CPU): where the C++ kernel serves (float32, unsharded: `pallas_kernels.cpu.lora`),
+  the tokens grouped by slot, each group through its own slot's factors only, the projections of
+  one input in one call. Elsewhere every token through every slot's A at once
+  (``[T, slots * rank]``, one GEMM), the columns of the other slots zeroed by the token's one-hot
+  slot mask, then one GEMM with all slots' B (`dense_delta`); steps of at most `GATHER_MAX_TOKENS`
+  tokens gather each token's factors instead (`gather_delta`). XLA's CPU lowering of ``ragged_dot``
+  is slower than both at every decode and prefill shape measured (docs/lora.md).
 
 `gather_delta` (BGMV-style: each token's A and B slices gathered) reads ``tokens x in x rank``
 gathered weights: cheaper than both at a few tokens, far slower at more (docs/lora.md).
@@ -31,6 +30,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from pallas_kernels import cpu
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -77,11 +78,20 @@ class LoRAStack(nnx.Module):
         self.projections = nnx.Dict({name: LoRAProjection(din, dout, num_slots, max_rank, dtype, delta)
                                      for name, (din, dout) in shapes.items()})
 
-    def add(self, name: str, x, y, inputs: LoRAInputs | None):
-        """``y`` plus projection ``name``'s delta of input ``x`` (``y`` itself without one)."""
-        if inputs is None or name not in self.projections:
-            return y
-        return y + self.projections[name](x, inputs).astype(y.dtype)
+    def add(self, names: tuple[str, ...], x, ys: tuple, inputs: LoRAInputs | None) -> tuple:
+        """``ys`` (the outputs of projections ``names`` of one input ``x``) plus their deltas; an
+        output of a projection without a stack as it is. Where the C++ CPU kernel serves (the
+        ``"dense"`` form, float32, unsharded), one call computes the deltas of all of them."""
+        served = [n for n in names if inputs is not None and n in self.projections]
+        if not served:
+            return tuple(ys)
+        first = self.projections[served[0]]
+        factors = [(self.projections[n].a[...], self.projections[n].b[...]) for n in served]
+        if first.delta == "dense" and cpu.runs("lora", x, *(f for pair in factors for f in pair)):
+            deltas = dict(zip(served, cpu.lora(x, inputs.slots, factors)))
+        else:
+            deltas = {n: self.projections[n](x, inputs) for n in served}
+        return tuple(y + deltas[n].astype(y.dtype) if n in deltas else y for n, y in zip(names, ys))
 
 
 DELTA_FORMS = ("ragged", "dense")

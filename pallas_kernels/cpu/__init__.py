@@ -1,8 +1,8 @@
 """C++ kernels for the CPU as XLA FFI custom calls: paged attention, greedy sampling, few-row
-matmuls. `runs` decides where they serve; `library` builds, caches and registers them."""
+matmuls, segmented LoRA deltas. `runs` decides where they serve; `library` builds, caches and registers them."""
 
 from pallas_kernels.cpu.dispatch import MATMUL_ROWS, runs
 from pallas_kernels.cpu.library import available
-from pallas_kernels.cpu.ops import greedy, matmul, matmul_t, matmuls, paged_attention, paged_decode
+from pallas_kernels.cpu.ops import greedy, lora, matmul, matmul_t, matmuls, paged_attention, paged_decode
 
-__all__ = ["MATMUL_ROWS", "available", "greedy", "matmul", "matmul_t", "matmuls", "paged_attention", "paged_decode", "runs"]
+__all__ = ["MATMUL_ROWS", "available", "greedy", "lora", "matmul", "matmul_t", "matmuls", "paged_attention", "paged_decode", "runs"]

@@ -6,6 +6,8 @@ not split across devices by XLA's automatic partitioning (a custom call cannot b
 inside ``shard_map``, where each device holds its own slice, it runs). The matmul takes at most
 `MATMUL_ROWS` rows. Where it can, it serves if it was measured faster than the XLA path it replaces
 for the call's shape class on this machine (`measure`), or wherever ``JPAGED_CPU_KERNELS=1``.
+The LoRA kernel is not measured: it serves wherever it can, since it does a ``1 / slots`` share of
+the work of the XLA form it replaces (every token through every slot's factors, docs/lora.md).
 """
 import jax
 import jax.numpy as jnp
@@ -14,8 +16,9 @@ from jax.sharding import AxisType
 from pallas_kernels.cpu import library, measure
 from pallas_kernels.platform import target_platform
 
-KERNELS = ("paged_attention", "matmul", "matmul_t", "greedy")
+KERNELS = ("paged_attention", "matmul", "matmul_t", "greedy", "lora")
 MATMUL_ROWS = measure.MATMUL_ROWS[-1]  # the C++ matmul serves x [M, K] @ w [K, N] with M up to this
+LORA_MAX_RANK = 512  # the C++ LoRA kernel serves slot stacks of rank up to this (lora.cc: kMaxRank)
 
 
 def _auto_sharded() -> bool:
@@ -30,7 +33,8 @@ def runs(kernel: str, *arrays, kv_scales=None) -> bool:
     """Whether the C++ ``kernel`` (one of `KERNELS`) serves a call on ``arrays``: for
     ``"paged_attention"`` the query and the pages (``kv_scales``: the 8-bit pages' scale words, or None),
     for ``"matmul"`` ``x [M, K]`` and the weights ``[K, N]``, for ``"matmul_t"`` ``x [M, K]`` and one
-    weight stored transposed ``[N, K]``, for ``"greedy"`` the logits."""
+    weight stored transposed ``[N, K]``, for ``"greedy"`` the logits, for ``"lora"`` ``x [T, K]`` and
+    the slot stacks ``a [G, K, R]``, ``b [G, R, N]`` of each projection."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}: expected one of {KERNELS}")
     if not (arrays and kv_scales is None and all(x.dtype == jnp.float32 for x in arrays)):
@@ -41,9 +45,14 @@ def runs(kernel: str, *arrays, kv_scales=None) -> bool:
         if not (x.ndim == 2 and x.shape[0] <= MATMUL_ROWS and (kernel == "matmul" or len(weights) == 1)
                 and all(w.ndim == 2 and w.shape[contracted] == x.shape[1] for w in weights)):
             return False
+    if kernel == "lora":
+        x, *factors = arrays
+        if not (x.ndim == 2 and factors and all(f.ndim == 3 for f in factors)
+                and all(a.shape[2] <= LORA_MAX_RANK for a in factors[::2])):
+            return False
     if _auto_sharded() or target_platform() != "cpu" or not library.available():
         return False
-    if library.forced():
+    if library.forced() or kernel == "lora":
         return True
     if kernel == "matmul":
         return measure.matmul(x.shape[1], tuple(w.shape[1] for w in weights), x.shape[0])

@@ -6,6 +6,8 @@
 - ``matmul`` / ``matmuls``: float32 ``x [M, K] @ w [K, N]`` for few rows, the weight streamed once
   where it lies (``matmul.cc``); several weights of one input in one call. ``matmul_t``: the same
   with the weight stored transposed, ``x @ w.T`` for ``w [N, K]`` (a tied embedding's logits).
+- ``lora``: the LoRA deltas of adapters stacked in slots, each token through its own slot's factors
+  only (``lora.cc``); the projections of one input in one call.
 """
 import functools
 
@@ -101,3 +103,14 @@ def _matmul_t_backward(saved, grad):
 
 
 matmul_t.defvjp(_matmul_t_forward, _matmul_t_backward)
+
+
+def lora(x, slots, factors):
+    """``tuple(x[t] @ a[slots[t]] @ b[slots[t]] for (a, b) in factors)``, zero rows where
+    ``slots[t]`` is 0 (the base model) or outside ``[0, G)``: float32 ``x [T, K]``, int32
+    ``slots [T]``, each ``a [G, K, R]`` and ``b [G, R, N_i]`` (one G and R) -> ``[T, N_i]`` each."""
+    _require()
+    factors = tuple(factors)
+    call = jax.ffi.ffi_call("jpaged_lora", [jax.ShapeDtypeStruct((x.shape[0], b.shape[2]), jnp.float32)
+                                            for _, b in factors])
+    return tuple(call(x, jnp.asarray(slots, jnp.int32), *(w for pair in factors for w in pair)))

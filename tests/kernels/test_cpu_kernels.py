@@ -321,6 +321,63 @@ def test_projections_of_one_input_share_one_call(forced_on):
     assert jax.jit(lambda x: layers.project(x, qkv[0], Scaled(qkv[1]))).lower(x).as_text().count("jpaged_matmul") == 2
 
 
+@pytest.mark.parametrize("t,k,r,ns,g", [(1, 64, 16, (64,), 5), (7, 96, 8, (130, 20), 3), (33, 100, 5, (64, 48, 48), 4),
+                                         (300, 64, 64, (200,), 17)])
+def test_lora_deltas_vs_numpy(t, k, r, ns, g):
+    """Each token through its own slot's factors (blocks of 4 tokens of a slot and their rest, a rank
+    and widths past whole panels), zero rows for slot 0 and for a slot outside the stacks; several
+    projections of one input in one call, the same numbers as `models.lora.dense_delta`."""
+    from jpaged.models.lora import dense_delta
+    rng = np.random.default_rng(t * r)
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    slots = rng.integers(0, g, t).astype(np.int32)
+    slots[0] = g + 3  # outside the stacks: no adapter
+    factors = [(rng.standard_normal((g, k, r)).astype(np.float32), rng.standard_normal((g, r, n)).astype(np.float32))
+               for n in ns]
+    assert jax.jit(cpu_kernels.lora).lower(x, slots, factors).as_text().count("jpaged_lora") == 1
+    outs = jax.jit(cpu_kernels.lora)(x, slots, factors)
+    own = np.where((slots > 0) & (slots < g), slots, 0)
+    for out, (a, b) in zip(outs, factors):
+        want = np.einsum("tr,tro->to", np.einsum("ti,tir->tr", x.astype(np.float64), a[own]), b[own])
+        want[own == 0] = 0
+        np.testing.assert_allclose(np.asarray(out), want, rtol=1e-4, atol=1e-4 * np.sqrt(k * r))
+        a0, b0 = a.copy(), b.copy()
+        a0[0], b0[0] = 0, 0  # the engine's slot 0 holds zeros
+        np.testing.assert_allclose(np.asarray(out), np.asarray(dense_delta(x, a0, b0, jnp.asarray(own))),
+                                   rtol=1e-4, atol=1e-3)
+
+
+def test_lora_stack_uses_the_kernel_for_float32_only():
+    """`models.lora.LoRAStack.add` on the CPU: q, k and v's deltas in one C++ call for float32, the
+    XLA dense form for bfloat16 (and for ranks above the kernel's); the same numbers as the XLA form."""
+    from jpaged.models import lora
+    rng = np.random.default_rng(1)
+    dims = {"q_proj": (64, 64), "k_proj": (64, 32), "v_proj": (64, 32)}
+    for dtype, calls in [(jnp.float32, 1), (jnp.bfloat16, 0)]:
+        stack = lora.LoRAStack(dims, 4, 8, dtype, delta="dense")
+        for projection in stack.projections.values():
+            for factor in (projection.a, projection.b):
+                value = rng.standard_normal(factor.shape).astype(np.float32)
+                value[0] = 0
+                factor.set_value(jnp.asarray(value, dtype))
+        x = jnp.asarray(rng.standard_normal((12, 64)), dtype)
+        slots = jnp.asarray(np.arange(12) % 4, jnp.int32)
+        inputs = lora.LoRAInputs(slots, jnp.argsort(slots, stable=True), jnp.argsort(jnp.argsort(slots, stable=True)),
+                                 jnp.bincount(slots, length=4))
+        ys = tuple(jnp.zeros((12, n), dtype) for _, n in dims.values())
+        names = tuple(dims)
+        hlo = jax.jit(lambda x, ys: stack.add(names, x, ys, inputs)).lower(x, ys).as_text()
+        assert hlo.count("jpaged_lora") == calls, dtype
+        if dtype == jnp.float32:
+            for name, out in zip(names, stack.add(names, x, ys, inputs)):
+                p = stack.projections[name]
+                np.testing.assert_allclose(np.asarray(out), np.asarray(lora.dense_delta(x, p.a[...], p.b[...], slots)),
+                                           rtol=1e-5, atol=1e-5)
+    x = jnp.zeros((3, 64), jnp.float32)
+    assert cpu_kernels.runs("lora", x, jnp.zeros((2, 64, 512)), jnp.zeros((2, 512, 8)))
+    assert not cpu_kernels.runs("lora", x, jnp.zeros((2, 64, 513)), jnp.zeros((2, 513, 8)))  # above kMaxRank
+
+
 def test_matmul_is_differentiable():
     """`nnx.grad` through a few-row linear layer (training code) gets XLA's gradients."""
     rng = np.random.default_rng(3)
