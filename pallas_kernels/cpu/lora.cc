@@ -6,7 +6,8 @@
 //
 // Segmented, as Punica's SGMV is on a GPU: the tokens are grouped by slot, and each group goes
 // through its own slot's factors only, in blocks of up to kRows tokens that share every factor row
-// read (the block's R-wide intermediate stays in registers between the two products). A dense form
+// read (the block's R-wide intermediate stays in a small buffer on the stack, in L1, between the two
+// products). A dense form
 // that sends every token through every slot's factors does G times the work; gathering each token's
 // factors reads them once per token. Work items (one block of one projection) are shared with XLA's
 // intra-op thread pool (common.h).
