@@ -163,9 +163,10 @@ class SchedulerConfig:
         "help": "Tokens per engine step (>= 1): prefill chunks and decodes together"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "Longest prompt + output in tokens (>= 1); unset: the model's context length"})
-    num_scheduler_steps: int = field(default=1, metadata={
+    num_scheduler_steps: int | None = field(default=None, metadata={
         "help": "Decode steps per host round trip (>= 1): up to this many decode steps run back to back "
-                "on the device when every sequence decodes (Scheduler.plan_decode_window)"})
+                "on the device when every sequence decodes (decode windows, Scheduler.plan_decode_window); "
+                "unset: 8 on the CPU (without speculative decoding), 1 on TPU/GPU"})
 
     def __post_init__(self):
         if not (isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1):
@@ -175,7 +176,8 @@ class SchedulerConfig:
                   "must be an integer >= 1")
         if self.max_model_len is not None and not (isinstance(self.max_model_len, int) and self.max_model_len >= 1):
             _fail("SchedulerConfig", "max_model_len", self.max_model_len, "must be an integer >= 1")
-        if not (isinstance(self.num_scheduler_steps, int) and self.num_scheduler_steps >= 1):
+        if self.num_scheduler_steps is not None and not (isinstance(self.num_scheduler_steps, int)
+                                                         and self.num_scheduler_steps >= 1):
             _fail("SchedulerConfig", "num_scheduler_steps", self.num_scheduler_steps, "must be an integer >= 1")
 
 
@@ -250,7 +252,7 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         if self.speculative_config is not None:
             method = self.speculative_config.method
-            if self.scheduler.num_scheduler_steps > 1:
+            if (self.scheduler.num_scheduler_steps or 1) > 1:
                 raise ValueError(f"speculative_config (method={method!r}) and num_scheduler_steps="
                                  f"{self.scheduler.num_scheduler_steps} (decode windows) do not combine: set one")
             if self.cache.allocator != "paged":

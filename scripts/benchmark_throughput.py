@@ -67,7 +67,7 @@ flags.DEFINE_enum("sharing", "on", ["on", "off", "both"], "Block sharing for --n
 flags.DEFINE_integer("tensor_parallel_size", 1, "Devices per replica (attention heads split)")
 flags.DEFINE_integer("data_parallel_size", 1, "Engine replicas")
 # Where the time goes
-flags.DEFINE_integer("num_scheduler_steps", 1, "Decode steps per host round trip (decode windows)")
+flags.DEFINE_integer("num_scheduler_steps", None, "Decode steps per host round trip (decode windows; unset: the engine's default, 8 on the CPU)")
 flags.DEFINE_bool("precompile", True, "Compile every step shape before the timed run (start-up time is printed)")
 flags.DEFINE_integer("single_stream", 0, "Then also time one request alone (32 prompt tokens) of this many output tokens")
 flags.DEFINE_bool("profile", False, "Print the per-step breakdown: schedule, prepare, device, post-process")

@@ -143,7 +143,7 @@ class Scheduler:
         blocks or a sequence slot: one that fits would have been admitted into this step, which
         would then not be decode-only) is admitted after the window.
         """
-        max_steps = self.config.num_scheduler_steps
+        max_steps = self.config.num_scheduler_steps or 1  # unset: resolved by the engine's start-up
         if (max_steps <= 1 or out.block_copies or out.swap_in or out.swap_out
                 or out.preempted or out.prompt_logprob_rows or len(out.sample_rows) != len(out.seqs)
                 or any(len(s.token_ids) != 1 for s in out.seqs)

@@ -72,8 +72,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     """Everything one step does.
 
-    ``num_steps`` > 1 makes it a decode window: every sequence decodes one token per step for that
-    many steps on the device (``block_table``s already cover them), the sampled tokens fed back there.
+    ``num_steps`` > 1 makes it a decode window: every sequence decodes one token per step for up to
+    that many steps on the device (``block_table``s already cover them), the sampled tokens fed back
+    there; the runner's results say how many ran (one, while the window's program compiles).
     ``swap_out`` pairs are (device block, host block), ``swap_in`` pairs (host block, device block).
     Prefix-cache tiers (`jpaged.core.kv_offload`): ``kv_stores`` are (device block, prefix-cache
     key) of cached blocks evicted this step, read before anything the step writes; ``kv_loads``

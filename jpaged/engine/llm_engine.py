@@ -135,7 +135,7 @@ class LLMEngine:
             if request.finished:
                 self._end(request)
             outputs.append(self.output_processor.output(request))
-        self.step_timings.add(out.num_tokens * out.num_steps, steps=out.num_steps, schedule=scheduled - start,
+        self.step_timings.add(out.num_tokens * len(results), steps=len(results), schedule=scheduled - start,
                               prepare=results[0].prepare_seconds, device=results[0].device_seconds,
                               post=time.perf_counter() - scheduled - results[0].prepare_seconds
                               - results[0].device_seconds)

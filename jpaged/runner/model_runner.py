@@ -28,6 +28,7 @@ from jpaged.core.kv_cache_layout import KVCacheLayout, kv_cache_layout
 from jpaged.core.scheduler_output import SchedulerOutput, StepResult
 from jpaged.loading.weight_update import WeightTargets, host_copies
 from jpaged.models.attention import attention_backend_of, make_attention_metadata
+from jpaged.runner.background_compile import BackgroundCompiler
 from jpaged.runner.buckets import StepBuckets
 from jpaged.runner.decode_window import decode_window
 from jpaged.runner.inputs import prepare_inputs
@@ -72,6 +73,9 @@ def jit_decode_window(logits_fn, mesh, pool_shardings, *, max_steps: int, block_
     window = functools.partial(decode_window, logits_fn, max_steps=max_steps, block_size=block_size,
                                vocab_size=vocab_size)
     return jax.jit(window, donate_argnums=(1,), out_shardings=(sharding.replicated(mesh), pool_shardings))
+
+
+WINDOW_HOT_AFTER = 32  # decode steps of one batch shape before its window compiles (unless precompiled)
 
 
 class ModelRunner:
@@ -129,6 +133,7 @@ class ModelRunner:
             self._take_rows = jax.jit(_take_rows)  # apart from the head: it alone depends on both counts
             self._head = jax.jit(self.pieces.head, out_shardings=replicated)
             self._sample = jax.jit(sample)
+        self.window_compiler = BackgroundCompiler(mesh, hot_after=WINDOW_HOT_AFTER)
         self._window = jit_decode_window(self._logits, mesh, pool, max_steps=max_decode_window,
                                          block_size=buckets.block_size, vocab_size=self.config.vocab_size)
 
@@ -231,11 +236,12 @@ class ModelRunner:
         sampling = sampling_tensors(out.sampling, inputs.num_rows, self.processed_logprobs)
         n = len(out.sample_rows)
         prepared = time.perf_counter()
+        window_args = (self._params(), self.kv_pool.caches, inputs.input_ids, md, inputs.logits_indices, sampling,
+                       np.int32(out.num_steps))
+        window = None if out.num_steps == 1 else self._ready_window(window_args)
         with jax.set_mesh(self.mesh):
-            if out.num_steps > 1:
-                sampled, self.kv_pool.caches = self.counter.call(
-                    "window", self._window, self._params(), self.kv_pool.caches, inputs.input_ids, md,
-                    inputs.logits_indices, sampling, np.int32(out.num_steps), num_fixed=2)
+            if window is not None:
+                sampled, self.kv_pool.caches = window(*window_args)
                 sampled = [np.asarray(a) for a in sampled]  # each [max steps, rows, ...]
                 results = [StepResult(*(a[i, :n] for a in sampled)) for i in range(out.num_steps)]
             else:
@@ -253,6 +259,15 @@ class ModelRunner:
             blocks = [sum(parts, ()) for parts in zip(*(read() for read in stored))]
             self.kv_offload.store([key for _, key in out.kv_stores], blocks)
         return results
+
+    def _ready_window(self, args, now: bool = False):
+        """The decode window's executable for ``args``, or None until it is compiled in the
+        background (a window-planned step then runs as one single step)."""
+        key = self.counter.signature("window", *args[2:])  # the parameters' and the pool's never change
+        window = self.window_compiler.executable(key, self._window, args, now=now)
+        if key in self.window_compiler:  # compiled, or compiling: one compilation (or cache load)
+            self.counter.signatures.add(key)
+        return window
 
     def write_tier_blocks(self, loads: list[tuple[int, tuple]]) -> None:
         """Tier blocks into the device pools: each block's arrays are the target pool's, then the
@@ -369,8 +384,8 @@ class ModelRunner:
                                                                              self.processed_logprobs)))
 
     def compile_decode_windows(self, max_seqs: int) -> None:
-        """Compiles the decode window of every decode-only batch shape (greedy, and sampled without
-        penalties or filters)."""
+        """Queues the background compile of the decode window of every decode-only batch shape
+        (greedy, and sampled without penalties or filters); `window_compiler.wait()` waits for them."""
         for rows in self.buckets.token_buckets(max_seqs):
             t_pad, s_pad, b_pad = self.buckets.shape(rows, rows, 1)
             more = self.kv_layout.num_groups - 1
@@ -383,11 +398,9 @@ class ModelRunner:
                 lora=self._lora_padding(t_pad),
                 state_slots=np.full(s_pad, -1) if self.kv_layout.num_recurrent else None)
             for batch in plain_sampling(rows):
-                with jax.set_mesh(self.mesh):
-                    _, self.kv_pool.caches = self.counter.call(
-                        "window", self._window, self._params(), self.kv_pool.caches, np.zeros(t_pad, np.int32), md,
-                        np.zeros(rows, np.int32), sampling_tensors(batch, rows, self.processed_logprobs),
-                        np.int32(0), num_fixed=2)
+                self._ready_window((self._params(), self.kv_pool.caches, np.zeros(t_pad, np.int32), md,
+                                    np.zeros(rows, np.int32), sampling_tensors(batch, rows, self.processed_logprobs),
+                                    np.int32(0)), now=True)
 
 
 def plain_sampling(rows: int) -> list[SamplingBatch]:

@@ -111,15 +111,17 @@ def warm_up(runner: ModelRunner, *, max_tokens: int, max_seqs: int, precompile: 
              + int(precompile and runner.kv_offload is not None))
     progress = CountProgress("precompile: step shapes", len(plan) + extra)
     try:
-        for step in plan:
+        for i, step in enumerate(plan):
             runner.execute(step)
             progress.update()
+            if i == 0 and precompile and decode_windows:  # the first step has measured the CPU kernels
+                runner.compile_decode_windows(max_seqs)  # on a second thread, beside the step shapes
         if precompile:
             if runner.pieces is not None:
                 runner.compile_heads(max_tokens, min(max_tokens, runner.buckets.max_num_rows))
                 progress.update()
             if decode_windows:
-                runner.compile_decode_windows(max_seqs)
+                runner.window_compiler.wait()
                 progress.update()
             if runner.kv_offload is not None:
                 for pool in runner.kv_pools:

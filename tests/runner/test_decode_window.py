@@ -1,5 +1,7 @@
 """Decode windows (``num_scheduler_steps``): several decode steps per host round trip, each step's
 tokens fed to the next on the device, with the same tokens, stops and frees as single steps."""
+import threading
+
 import numpy as np
 import pytest
 
@@ -10,16 +12,25 @@ ENGINE = dict(num_kv_blocks=96, max_model_len=256, max_num_batched_tokens=64, ma
 
 
 def count_windows(llm, monkeypatch) -> list[int]:
-    """The step count of every decode window ``llm`` runs from now on."""
+    """The step count of every decode window ``llm`` runs from now on, each window's program
+    compiled before it runs (not in the background while single steps go on)."""
     runner, windows = llm.llm_engine.runner, []
-    execute = runner.execute
+    execute, compiler = runner.execute, runner.window_compiler
+    executable = compiler.executable
 
     def counted(out):
-        if out.num_steps > 1:
-            windows.append(out.num_steps)
-        return execute(out)
+        results = execute(out)
+        if len(results) > 1:
+            windows.append(len(results))
+        return results
+
+    def compiled_first(key, fn, args, now=False):
+        executable(key, fn, args, now=True)
+        compiler.wait()
+        return executable(key, fn, args)
 
     monkeypatch.setattr(runner, "execute", counted)
+    monkeypatch.setattr(compiler, "executable", compiled_first)
     return windows
 
 
@@ -93,3 +104,42 @@ def test_precompiled_windows_compile_nothing_while_serving(llama_dir):
     outs = llm.generate(random_prompts(rng, rng.integers(2, 40, 6)), params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
     assert llm.get_metrics()["num_compilations"] == compiled
+
+
+def test_a_window_compiling_in_the_background_runs_as_single_steps(llama_dir, monkeypatch):
+    """Until its program is compiled (on another thread, once its batch shape has come back
+    ``hot_after`` times), a planned window runs one single step: the same tokens, no wait; once
+    compiled, the windows run."""
+    llm = LLM(llama_dir[0], num_scheduler_steps=4, **{**ENGINE, "max_num_seqs": 2})
+    runner = llm.llm_engine.runner
+    compiler, release, results = runner.window_compiler, threading.Event(), []
+    assert compiler.hot_after > 1
+    short = SamplingParams(temperature=0.0, max_tokens=compiler.hot_after // 2, ignore_eos=True)
+    llm.generate(random_prompts(np.random.default_rng(5), [4]), short, use_tqdm=False)
+    assert not compiler._futures  # a shape seen for fewer steps compiles nothing
+    compiler.hot_after = 3
+    compile_one = compiler._compile
+    monkeypatch.setattr(compiler, "_compile", lambda *a: (release.wait(60), compile_one(*a)))
+    execute = runner.execute
+
+    def recorded(out):
+        ran = execute(out)
+        results.append((out.num_steps, len(ran)))
+        return ran
+
+    monkeypatch.setattr(runner, "execute", recorded)
+    prompts = random_prompts(np.random.default_rng(4), [5, 9])
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(llama_dir[0], num_scheduler_steps=1, **ENGINE).generate(
+        prompts, greedy, use_tqdm=False)]
+    first = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first] == expected
+    assert any(planned > 1 for planned, _ in results) and all(ran == 1 for _, ran in results)
+    release.set()
+    compiler.wait()
+    results.clear()
+    again = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == expected
+    assert any(ran > 1 for _, ran in results)
+    m = llm.get_metrics()
+    assert m["num_free_blocks"] == m["num_total_blocks"]
