@@ -9,11 +9,12 @@
 // vector registers while the piece goes by, the first block bringing the piece into the L1 cache
 // for the others, and every block prefetching its share of the next piece into L2 meanwhile, so
 // that memory keeps streaming while the blocks compute. With at most one block of rows
-// (kFewRows), FewRows reads the weight in its own order instead, row after row across long column
-// runs; with AVX-512 a lone block prefetches its own rows a little ahead. Runs of neighbouring
-// panels of a weight (long runs of each weight row: memory streams better) are shared with XLA's
-// intra-op thread pool (common.h); the weights of one call (a layer's q, k and v; its gate and up)
-// share one hand-off. jpaged_matmul_t takes the weight transposed, w [N, K] (DotRows).
+// (kFewRows), FewRows reads the weight in its own order instead, row after row across the whole
+// width, each work item a contiguous range of the weight's rows (partial sums added at the end);
+// with AVX-512 a lone block prefetches its own rows a little ahead. Otherwise runs of neighbouring
+// panels of a weight (long runs of each weight row: memory streams better) are the work items.
+// Items are shared with XLA's intra-op thread pool (common.h); the weights of one call (a layer's
+// q, k and v; its gate and up) share one hand-off. jpaged_matmul_t takes the weight transposed, w [N, K] (DotRows).
 
 #include <algorithm>
 #include <cstdint>
@@ -45,7 +46,6 @@ constexpr int64_t kFewRows = kRows;           // one block or less: FewRows
 constexpr int64_t kPanel = kVecs * kLanes;    // columns per panel
 constexpr int64_t kAheadRows = 16;            // how far ahead a lone row block prefetches its rows
 constexpr int64_t kItemPanels = 32;           // most panels per work item (longer runs of each weight row)
-constexpr int64_t kFewItemPanels = 512;       // the same for FewRows (its weight rows stream end to end)
 constexpr int64_t kItemsPerWorker = 4;        // work items per thread, where there are enough panels
 constexpr int64_t kFewItemsPerWorker = 2;     // the same for FewRows
 constexpr int64_t kChunk = 64;                // weight rows per pass of the row blocks
@@ -132,22 +132,23 @@ void Panels(const float* x, const float* w, int64_t M, int64_t K, int64_t N, int
   }
 }
 
-// out[:R, c0:c1] = x[:R] @ w[:, c0:c1] (c0, c1: panels p0, p1) for R <= kRows rows, in the weight's
-// own order: kDepth weight rows at a time, each read end to end across the columns (kDepth long
-// sequential streams, which the hardware prefetcher follows), the sums reloaded from out between
-// passes (they stay in L1).
+// out[:R, c0:c1] = x[:R, ka:kb] @ w[ka:kb, c0:c1] (c0, c1: panels p0, p1) for R <= kRows rows, in
+// the weight's own order: kDepth weight rows at a time, each read end to end across the columns
+// (kDepth long sequential streams, which the hardware prefetcher follows), the sums reloaded from
+// out between passes (they stay in L1).
 template <int R>
-void FewRows(const float* x, const float* w, int64_t K, int64_t N, int64_t p0, int64_t p1, float* out) {
+void FewRows(const float* x, const float* w, int64_t K, int64_t N, int64_t ka, int64_t kb, int64_t p0, int64_t p1,
+             float* out) {
   const int64_t c0 = p0 * kPanel, c1 = p1 * kPanel;
-  for (int64_t k0 = 0; k0 < K; k0 += kDepth) {
-    const int64_t depth = std::min(kDepth, K - k0);
+  for (int64_t k0 = ka; k0 < kb; k0 += kDepth) {
+    const int64_t depth = std::min(kDepth, kb - k0);
     float xs[R][kDepth];
     for (int r = 0; r < R; ++r) {
       for (int64_t u = 0; u < depth; ++u) xs[r][u] = x[r * K + k0 + u];
     }
     for (int64_t j = c0; j < c1; j += kVecs * kLanes) {
       Vec acc[R][kVecs] = {};
-      if (k0 > 0) {
+      if (k0 > ka) {
         for (int r = 0; r < R; ++r) {
           for (int64_t c = 0; c < kVecs; ++c) acc[r][c] = Load(out + r * N + j + kLanes * c);
         }
@@ -169,11 +170,12 @@ void FewRows(const float* x, const float* w, int64_t K, int64_t N, int64_t p0, i
 
 // FewRows<rows> for 1 <= rows <= R.
 template <int R>
-void FewRest(int64_t rows, const float* x, const float* w, int64_t K, int64_t N, int64_t p0, int64_t p1, float* out) {
+void FewRest(int64_t rows, const float* x, const float* w, int64_t K, int64_t N, int64_t ka, int64_t kb, int64_t p0,
+             int64_t p1, float* out) {
   if constexpr (R > 1) {
-    if (rows < R) return FewRest<R - 1>(rows, x, w, K, N, p0, p1, out);
+    if (rows < R) return FewRest<R - 1>(rows, x, w, K, N, ka, kb, p0, p1, out);
   }
-  FewRows<R>(x, w, K, N, p0, p1, out);
+  FewRows<R>(x, w, K, N, ka, kb, p0, p1, out);
 }
 
 // Columns past the last whole panel (N not a multiple of kPanel): one sum at a time.
@@ -214,32 +216,75 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
     ws.push_back({w->typed_data(), (*out)->typed_data(), w->dimensions()[1]});
     total_panels += ws.back().N / kPanel;
   }
-  // Work items: runs of up to kItemPanels panels of one weight (long runs of each weight row stream
-  // better; kFewItemPanels for FewRows), about kItemsPerWorker (kFewItemsPerWorker) of them per
-  // worker (fewer: longer runs; more: the workers even out), and the columns past a weight's last
-  // whole panel.
-  const bool few = M <= kFewRows;
+  // Work items. Few rows: a range of weight rows (K) across all of a weight's whole panels, so that
+  // each item streams one contiguous piece of the weight (split by columns, a narrow weight gave
+  // each item runs of a few hundred bytes per row), about kFewItemsPerWorker per worker in all,
+  // each weight's share by its width; the items of one weight after its first sum into scratch
+  // rows, added to the output at the end. More rows: runs of up to kItemPanels panels of one weight
+  // (long runs of each weight row stream better), about kItemsPerWorker per worker. And the columns
+  // past a weight's last whole panel.
+  const bool few = kFewRows > 0 && M <= kFewRows;
   const int64_t target = (few ? kFewItemsPerWorker : kItemsPerWorker) * jpaged::Workers(pool);
-  const int64_t per_item = std::clamp<int64_t>(total_panels / target, 1, few ? kFewItemPanels : kItemPanels);
+  const int64_t per_item = std::clamp<int64_t>(total_panels / target, 1, kItemPanels);
   struct Item {
-    int64_t weight, p0, p1;  // panels [p0, p1); p0 < 0: the tail columns
+    int64_t weight, p0, p1, k0, k1;  // panels [p0, p1), weight rows [k0, k1); p0 < 0: the tail columns
+    float* out;                      // the weight's output, or scratch rows [M, N]
   };
   std::vector<Item> items;
-  for (int64_t i = 0; i < static_cast<int64_t>(ws.size()); ++i) {
-    const int64_t panels = ws[i].N / kPanel;
-    for (int64_t p = 0; p < panels; p += per_item) items.push_back({i, p, std::min(panels, p + per_item)});
-    if (ws[i].N % kPanel != 0) items.push_back({i, -1, -1});
+  std::vector<float> scratch;
+  std::vector<std::pair<int64_t, int64_t>> sums;  // (weight, scratch offset) to add to its output
+  if (few) {
+    int64_t scratch_size = 0;
+    std::vector<int64_t> splits(ws.size());
+    for (size_t i = 0; i < ws.size(); ++i) {
+      const int64_t panels = ws[i].N / kPanel;
+      splits[i] = panels == 0 ? 0 : std::clamp<int64_t>((target * panels + total_panels / 2) / std::max<int64_t>(total_panels, 1), 1,
+                                                         std::max<int64_t>(1, K / kDepth));
+      scratch_size += std::max<int64_t>(0, splits[i] - 1) * M * ws[i].N;
+    }
+    scratch.resize(scratch_size);
+    int64_t offset = 0;
+    for (int64_t i = 0; i < static_cast<int64_t>(ws.size()); ++i) {
+      const int64_t panels = ws[i].N / kPanel;
+      for (int64_t j = 0; j < splits[i]; ++j) {
+        const int64_t k0 = K * j / splits[i] / kDepth * kDepth, k1 = j + 1 == splits[i] ? K : K * (j + 1) / splits[i] / kDepth * kDepth;
+        float* out = ws[i].out;
+        if (j > 0) {
+          out = scratch.data() + offset;
+          sums.push_back({i, offset});
+          offset += M * ws[i].N;
+        }
+        items.push_back({i, 0, panels, k0, k1, out});
+      }
+      if (ws[i].N % kPanel != 0) items.push_back({i, -1, -1, 0, K, ws[i].out});
+    }
+  } else {
+    for (int64_t i = 0; i < static_cast<int64_t>(ws.size()); ++i) {
+      const int64_t panels = ws[i].N / kPanel;
+      for (int64_t p = 0; p < panels; p += per_item) items.push_back({i, p, std::min(panels, p + per_item), 0, K, ws[i].out});
+      if (ws[i].N % kPanel != 0) items.push_back({i, -1, -1, 0, K, ws[i].out});
+    }
   }
   const float* xp = x.typed_data();
   jpaged::ParallelFor(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
     const Item& item = items[i];
     const Weight& w = ws[item.weight];
     if constexpr (kFewRows > 0) {
-      if (item.p0 >= 0 && few) return FewRest<std::max<int>(kFewRows, 1)>(M, xp, w.w, K, w.N, item.p0, item.p1, w.out);
+      if (item.p0 >= 0 && few) {
+        return FewRest<std::max<int>(kFewRows, 1)>(M, xp, w.w, K, w.N, item.k0, item.k1, item.p0, item.p1, item.out);
+      }
     }
     if (item.p0 >= 0) return Panels(xp, w.w, M, K, w.N, item.p0, item.p1, w.out);
     Tail(xp, w.w, M, K, w.N, w.N / kPanel * kPanel, w.out);
   });
+  for (const auto& [i, offset] : sums) {  // the whole panels' columns of each scratch row
+    const int64_t N = ws[i].N, width = N / kPanel * kPanel;
+    for (int64_t m = 0; m < M; ++m) {
+      float* o = ws[i].out + m * N;
+      const float* part = scratch.data() + offset + m * N;
+      for (int64_t n = 0; n < width; ++n) o[n] += part[n];
+    }
+  }
   return ffi::Error::Success();
 }
 

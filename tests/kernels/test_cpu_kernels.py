@@ -219,10 +219,11 @@ def test_greedy_sampling_through_the_kernel_equals_the_jnp_path(monkeypatch, for
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 512, 768), (5, 7, 64), (6, 64, 130), (13, 100, 1000), (32, 300, 200),
-                                   (2, 33, 5), (63, 200, 192)])
+                                   (2, 33, 5), (63, 200, 192), (4, 1001, 80)])
 def test_matmul_vs_numpy(m, k, n):
     """Whole 64-column panels, a column tail, row blocks of 4 and their rest (up to 16 blocks
-    sharing the next piece's prefetch), K across chunks."""
+    sharing the next piece's prefetch), K across chunks; few rows with K split between work items
+    (summed at the end), K not a multiple of the split."""
     rng = np.random.default_rng(m * n)
     x, w = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
     out = np.asarray(jax.jit(cpu_kernels.matmul)(x, w))
@@ -257,11 +258,13 @@ def test_tied_logits_use_the_transposed_matmul(forced_on):
     assert not cpu_kernels.runs("matmul_t", hidden.astype(jnp.bfloat16), embed.embedding[...].astype(jnp.bfloat16))
 
 
-def test_matmuls_of_several_weights_in_one_call():
+@pytest.mark.parametrize("rows", [11, 3])
+def test_matmuls_of_several_weights_in_one_call(rows):
     """One call for several weights of different widths (whole panels, a column tail, one narrower
-    than a panel): each output is its own x @ w, in the order given."""
+    than a panel): each output is its own x @ w, in the order given; with few rows each weight's
+    rows split between work items by its width."""
     rng = np.random.default_rng(4)
-    x = rng.standard_normal((11, 96)).astype(np.float32)
+    x = rng.standard_normal((rows, 96)).astype(np.float32)
     ws = [rng.standard_normal((96, n)).astype(np.float32) for n in (256, 64, 130, 20)]
     hlo = jax.jit(cpu_kernels.matmuls).lower(x, ws).as_text()
     assert hlo.count("jpaged_matmul") == 1
