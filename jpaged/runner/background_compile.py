@@ -28,7 +28,7 @@ def _abstract(x):
 class BackgroundCompiler:
     def __init__(self, mesh, hot_after: int = 1):
         self.mesh, self.hot_after = mesh, hot_after
-        self._asks: dict = {}  # key -> times asked for before its compile was queued
+        self._asks: dict = {}  # key -> times asked for, until its compile is queued
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jpaged-compile")
         self._futures: dict = {}  # key -> Future of the executable
         self._queue: list = []    # (key, fn, abstract args) not submitted yet
@@ -43,6 +43,7 @@ class BackgroundCompiler:
                 self._asks[key] = asks = self._asks.get(key, 0) + 1
                 if asks < self.hot_after and not now:
                     return None
+                del self._asks[key]
                 self._futures[key] = Future()
                 self._queue.append((key, fn, jax.tree.map(_abstract, args)))
                 self._submit_next()

@@ -236,9 +236,11 @@ class ModelRunner:
         sampling = sampling_tensors(out.sampling, inputs.num_rows, self.processed_logprobs)
         n = len(out.sample_rows)
         prepared = time.perf_counter()
-        window_args = (self._params(), self.kv_pool.caches, inputs.input_ids, md, inputs.logits_indices, sampling,
-                       np.int32(out.num_steps))
-        window = None if out.num_steps == 1 else self._ready_window(window_args)
+        window = None
+        if out.num_steps > 1:
+            window_args = (self._params(), self.kv_pool.caches, inputs.input_ids, md, inputs.logits_indices,
+                           sampling, np.int32(out.num_steps))
+            window = self._ready_window(window_args)
         with jax.set_mesh(self.mesh):
             if window is not None:
                 sampled, self.kv_pool.caches = window(*window_args)

@@ -233,37 +233,39 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
   std::vector<Item> items;
   std::vector<float> scratch;
   std::vector<std::pair<int64_t, int64_t>> sums;  // (weight, scratch offset) to add to its output
+  const int64_t num_weights = static_cast<int64_t>(ws.size());
+  std::vector<int64_t> splits(num_weights, 0);  // few rows: each weight's items (ranges of its rows)
   if (few) {
     int64_t scratch_size = 0;
-    std::vector<int64_t> splits(ws.size());
-    for (size_t i = 0; i < ws.size(); ++i) {
+    for (int64_t i = 0; i < num_weights; ++i) {
       const int64_t panels = ws[i].N / kPanel;
-      splits[i] = panels == 0 ? 0 : std::clamp<int64_t>((target * panels + total_panels / 2) / std::max<int64_t>(total_panels, 1), 1,
-                                                         std::max<int64_t>(1, K / kDepth));
+      const int64_t share = (target * panels + total_panels / 2) / std::max<int64_t>(total_panels, 1);
+      splits[i] = panels == 0 ? 0 : std::clamp<int64_t>(share, 1, std::max<int64_t>(1, K / kDepth));
       scratch_size += std::max<int64_t>(0, splits[i] - 1) * M * ws[i].N;
     }
     scratch.resize(scratch_size);
-    int64_t offset = 0;
-    for (int64_t i = 0; i < static_cast<int64_t>(ws.size()); ++i) {
-      const int64_t panels = ws[i].N / kPanel;
+  }
+  int64_t offset = 0;
+  for (int64_t i = 0; i < num_weights; ++i) {
+    const int64_t panels = ws[i].N / kPanel;
+    if (few) {
+      // the first weight row of range j (whole kDepth passes; the last range ends at K)
+      const auto row = [&](int64_t j) { return j == splits[i] ? K : K * j / splits[i] / kDepth * kDepth; };
       for (int64_t j = 0; j < splits[i]; ++j) {
-        const int64_t k0 = K * j / splits[i] / kDepth * kDepth, k1 = j + 1 == splits[i] ? K : K * (j + 1) / splits[i] / kDepth * kDepth;
         float* out = ws[i].out;
         if (j > 0) {
           out = scratch.data() + offset;
           sums.push_back({i, offset});
           offset += M * ws[i].N;
         }
-        items.push_back({i, 0, panels, k0, k1, out});
+        items.push_back({i, 0, panels, row(j), row(j + 1), out});
       }
-      if (ws[i].N % kPanel != 0) items.push_back({i, -1, -1, 0, K, ws[i].out});
+    } else {
+      for (int64_t p = 0; p < panels; p += per_item) {
+        items.push_back({i, p, std::min(panels, p + per_item), 0, K, ws[i].out});
+      }
     }
-  } else {
-    for (int64_t i = 0; i < static_cast<int64_t>(ws.size()); ++i) {
-      const int64_t panels = ws[i].N / kPanel;
-      for (int64_t p = 0; p < panels; p += per_item) items.push_back({i, p, std::min(panels, p + per_item), 0, K, ws[i].out});
-      if (ws[i].N % kPanel != 0) items.push_back({i, -1, -1, 0, K, ws[i].out});
-    }
+    if (ws[i].N % kPanel != 0) items.push_back({i, -1, -1, 0, K, ws[i].out});
   }
   const float* xp = x.typed_data();
   jpaged::ParallelFor(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
