@@ -5,10 +5,11 @@
 // read once per step and do not fit the cache, so the step is bound by memory, and a matmul that
 // first copies ("packs") the weight into its own layout, as a GEMM library does, reads and writes
 // it one more time. This one streams the weight straight from where it lies, in panels of kPanel
-// columns, piece by piece (kChunk rows of a panel): each block of up to kRows rows keeps its sums in
-// vector registers while the piece goes by, the first block bringing the piece into the L1 cache
-// for the others, and every block prefetching its share of the next piece into L2 meanwhile, so
-// that memory keeps streaming while the blocks compute. With at most one block of rows
+// columns, piece by piece (up to kChunk rows of a panel): each block of up to kRows rows keeps its
+// sums in vector registers while the piece goes by, the first block bringing the piece into the L1
+// cache for the others (or copying it there, where the weight's rows would all fall in one L1 set),
+// and every block prefetching its share of the next piece into L2 meanwhile, so that memory keeps
+// streaming while the blocks compute. With at most one block of rows
 // (kFewRows), FewRows reads the weight in its own order instead, row after row across the whole
 // width, each work item a contiguous range of the weight's rows (partial sums added at the end);
 // with AVX-512 a lone block prefetches its own rows a little ahead. Otherwise runs of neighbouring
@@ -36,98 +37,137 @@ using jpaged::Vec;
 // The register block per instruction set: kVecs vectors of kLanes floats per row (a panel of kPanel
 // columns), kRows rows, kRows x kVecs accumulators. AVX-512 (32 registers): 4 x 4. AVX/AVX2 and SSE
 // (16 registers): 6 x 2, which leaves registers for the weight row and the broadcast.
+// Spreading the rows evenly over the blocks and copying pieces that fall in one L1 set (Panels)
+// were measured on AVX2 only: the AVX-512 path keeps its measured form without them.
 #ifdef __AVX512F__
 constexpr int64_t kVecs = 4, kRows = 4;
 constexpr int64_t kFewRows = 0;               // a lone block prefetches its own rows instead
+constexpr bool kSpreadRows = false;
+constexpr int64_t kCopyBlocks = 0;            // never
 #else
 constexpr int64_t kVecs = 2, kRows = 6;
 constexpr int64_t kFewRows = kRows;           // one block or less: FewRows
+constexpr bool kSpreadRows = true;
+constexpr int64_t kCopyBlocks = 4;            // row blocks from which a piece in one L1 set is copied
 #endif
 constexpr int64_t kPanel = kVecs * kLanes;    // columns per panel
 constexpr int64_t kAheadRows = 16;            // how far ahead a lone row block prefetches its rows
 constexpr int64_t kItemPanels = 32;           // most panels per work item (longer runs of each weight row)
 constexpr int64_t kItemsPerWorker = 4;        // work items per thread, where there are enough panels
 constexpr int64_t kFewItemsPerWorker = 2;     // the same for FewRows
-constexpr int64_t kChunk = 64;                // weight rows per pass of the row blocks
+constexpr int64_t kChunk = 4096 / kPanel;     // weight rows per pass of the row blocks (16 KiB of a panel)
+constexpr int64_t kNarrowChunk = 64;          // the same for a narrow work item (kNarrowPanels) or few rows
+constexpr int64_t kNarrowPanels = 8;
 constexpr int64_t kDepth = 8;                 // weight rows per pass of FewRows
 
 
-// out[r, :kPanel] (+)= x[r, k0:k1] @ w[k0:k1, :kPanel] for the R rows from x / out (leading dims
-// ldx, ldo; w at the panel's first column, leading dim N): the sums start from zero when k0 is 0,
-// else from out. The first next_rows steps also prefetch a row of `next` (leading dim N) each:
-// into L1 with `own_rows` (rows ahead of this block's own), else into L2 (the next piece).
-template <int R>
-void PanelRows(const float* x, int64_t ldx, const float* w, int64_t k0, int64_t k1, int64_t N, float* out,
-               int64_t ldo, const float* next, int64_t next_rows, bool own_rows) {
-  Vec acc[R][kVecs] = {};
-  if (k0 > 0) {
-    for (int r = 0; r < R; ++r) {
-      for (int64_t c = 0; c < kVecs; ++c) acc[r][c] = Load(out + r * ldo + kLanes * c);
-    }
+// acc[r] += x[r, k] * w_k[:kPanel] for the R rows (leading dim ldx), w_k a row of a panel; with
+// kCopy, w_k is also stored at copy.
+template <int R, bool kCopy>
+inline void PanelStep(const float* x, int64_t ldx, int64_t k, const float* wk, float* copy, Vec (&acc)[R][kVecs]) {
+  Vec wv[kVecs];
+  for (int64_t c = 0; c < kVecs; ++c) wv[c] = Load(wk + kLanes * c);
+  if constexpr (kCopy) {
+    for (int64_t c = 0; c < kVecs; ++c) Store(copy + kLanes * c, wv[c]);
   }
-  for (int64_t k = k0; k < k1; ++k) {
-    const float* wk = w + k * N;
-    if (k - k0 < next_rows) {
-      for (int64_t c = 0; c < kVecs; ++c) {
-        if (own_rows) {
-          __builtin_prefetch(next + (k - k0) * N + kLanes * c, 0, 3);
-        } else {
-          __builtin_prefetch(next + (k - k0) * N + kLanes * c, 0, 1);
-        }
+  for (int r = 0; r < R; ++r) {
+    const float xv = x[r * ldx + k];
+    for (int64_t c = 0; c < kVecs; ++c) acc[r][c] += xv * wv[c];
+  }
+}
+
+// out[r, :kPanel] (+)= x[r, k0:k1] @ w[k0:k1, :kPanel] for the R rows from x / out (leading dims
+// ldx, ldo; w at the panel's first column, leading dim ldw): the sums start from zero when k0 is 0,
+// else from out. The first next_rows steps also prefetch a row of `next` (leading dim N) each:
+// into L1 with `own_rows` (rows ahead of this block's own), else into L2 (the next piece). With
+// kCopy, the piece is also copied to `copy` (kPanel floats a row) for the blocks after this one.
+template <int R, bool kCopy>
+void PanelLoop(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k0, int64_t k1, float* out,
+               int64_t ldo, const float* next, int64_t N, int64_t next_rows, bool own_rows, float* copy) {
+  Vec acc[R][kVecs];
+  for (int r = 0; r < R; ++r) {
+    for (int64_t c = 0; c < kVecs; ++c) acc[r][c] = k0 > 0 ? Load(out + r * ldo + kLanes * c) : Vec{};
+  }
+  const int64_t prefetched = k0 + std::min(next_rows, k1 - k0);
+  int64_t k = k0;
+  for (; k < prefetched; ++k) {
+    for (int64_t c = 0; c < kVecs; ++c) {
+      if (own_rows) {
+        __builtin_prefetch(next + (k - k0) * N + kLanes * c, 0, 3);
+      } else {
+        __builtin_prefetch(next + (k - k0) * N + kLanes * c, 0, 1);
       }
     }
-    Vec wv[kVecs];
-    for (int64_t c = 0; c < kVecs; ++c) wv[c] = Load(wk + kLanes * c);
-    for (int r = 0; r < R; ++r) {
-      const float xv = x[r * ldx + k];
-      for (int64_t c = 0; c < kVecs; ++c) acc[r][c] += xv * wv[c];
-    }
+    PanelStep<R, kCopy>(x, ldx, k, w + k * ldw, copy + (k - k0) * kPanel, acc);
   }
+  for (; k < k1; ++k) PanelStep<R, kCopy>(x, ldx, k, w + k * ldw, copy + (k - k0) * kPanel, acc);
   for (int r = 0; r < R; ++r) {
     for (int64_t c = 0; c < kVecs; ++c) Store(out + r * ldo + kLanes * c, acc[r][c]);
   }
 }
 
-// PanelRows<rest> for the rest (1 <= rest <= R) of the rows past the last whole block.
+// PanelLoop<rows> for 1 <= rows <= R, copying the piece where `copy` is not null.
 template <int R>
-void PanelRest(int64_t rest, const float* x, int64_t ldx, const float* w, int64_t k0, int64_t k1, int64_t N,
-               float* out, int64_t ldo, const float* next, int64_t next_rows, bool own_rows) {
+void PanelRows(int64_t rows, const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k0, int64_t k1,
+               float* out, int64_t ldo, const float* next, int64_t N, int64_t next_rows, bool own_rows, float* copy) {
   if constexpr (R > 1) {
-    if (rest < R) return PanelRest<R - 1>(rest, x, ldx, w, k0, k1, N, out, ldo, next, next_rows, own_rows);
+    if (rows < R) return PanelRows<R - 1>(rows, x, ldx, w, ldw, k0, k1, out, ldo, next, N, next_rows, own_rows, copy);
   }
-  PanelRows<R>(x, ldx, w, k0, k1, N, out, ldo, next, next_rows, own_rows);
+  if (copy) return PanelLoop<R, true>(x, ldx, w, ldw, k0, k1, out, ldo, next, N, next_rows, own_rows, copy);
+  PanelLoop<R, false>(x, ldx, w, ldw, k0, k1, out, ldo, next, N, next_rows, own_rows, nullptr);
 }
 
 // Panels [p0, p1) for every row, piece by piece: a k range of kChunk rows across the panels, then
 // the next. While a piece's row blocks compute, they prefetch the next piece into L2, each block its
-// share of its rows, so that memory streams all through the pass.
+// share of its rows, so that memory streams all through the pass. In a wide item (more than
+// kNarrowPanels panels) the rows are spread evenly over the blocks where each gets at least
+// kRows - 1 (32 rows: 6, 6, 5, 5, 5, 5; not 6 x 5 and 2): a block of few rows has too few sums to
+// hide the FMA's latency (8 rows: 6 and 2 measured faster than 4 and 4; in narrow items the spread
+// measured slower). Where the weight's rows lie a multiple of 4 KiB apart, every row of a piece
+// falls in the same L1 set and they evict each other: with kCopyBlocks blocks or more the first
+// block copies the piece into a contiguous buffer, which the other blocks read. Pieces are
+// kNarrowChunk rows in a narrow item, with at most two blocks, or in one L1 set and not copied
+// (measured faster there), else kChunk.
 void Panels(const float* x, const float* w, int64_t M, int64_t K, int64_t N, int64_t p0, int64_t p1, float* out) {
   const int64_t blocks = (M + kRows - 1) / kRows;
   const bool alone = blocks == 1;
-  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
-    const int64_t k1 = std::min(K, k0 + kChunk);
+  const bool narrow_item = p1 - p0 <= kNarrowPanels;
+  // every block gets at least kRows - 1 rows
+  const bool spread = kSpreadRows && !narrow_item && M >= (kRows - 1) * blocks;
+  const bool one_set = N * sizeof(float) % 4096 == 0;  // every row of a piece in the same L1 set
+  const bool copy = kCopyBlocks > 0 && blocks >= kCopyBlocks && one_set;
+  const bool short_pieces = narrow_item || blocks <= 2 || (one_set && !copy);
+  const int64_t chunk = short_pieces ? std::min(kChunk, kNarrowChunk) : kChunk;
+  alignas(64) float piece[kChunk * kPanel];
+  for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+    const int64_t k1 = std::min(K, k0 + chunk);
     for (int64_t p = p0; p < p1; ++p) {
       const float* wp = w + p * kPanel;
       const bool last_panel = p + 1 == p1;
       const int64_t next_k0 = last_panel ? k1 : k0;
       const float* next = w + next_k0 * N + (last_panel ? p0 : p + 1) * kPanel;
-      int64_t next_rows = std::min(K, next_k0 + kChunk) - next_k0;
+      int64_t next_rows = std::min(K, next_k0 + chunk) - next_k0;
       if (alone) {  // one block, bound by memory: it prefetches its own rows kAheadRows ahead
         next = wp + (k0 + kAheadRows) * N;
         next_rows = std::max<int64_t>(0, std::min(k1, K - kAheadRows) - k0);
       }
       const int64_t share = (next_rows + blocks - 1) / blocks;  // next rows each block prefetches
-      // The first of the next rows that the block of row m prefetches, its pointer and its count.
-      const auto first_row = [&](int64_t m) { return std::min(next_rows, m / kRows * share); };
-      const auto next_of = [&](int64_t m) { return next + first_row(m) * N; };
-      const auto rows_of = [&](int64_t m) { return std::min(share, next_rows - first_row(m)); };
-      int64_t m = 0;
-      for (; m + kRows <= M; m += kRows) {
-        PanelRows<kRows>(x + m * K, K, wp, k0, k1, N, out + m * N + p * kPanel, N, next_of(m), rows_of(m), alone);
+      for (int64_t b = 0, m = 0; b < blocks; ++b) {
+        const int64_t rows = spread ? M / blocks + (b < M % blocks) : std::min(kRows, M - m);
+        const int64_t first = std::min(next_rows, b * share);  // the first next row block b prefetches
+        const int64_t prefetch = std::min(share, next_rows - first);
+        float* o = out + m * N + p * kPanel;
+        if (!copy) {
+          PanelRows<kRows>(rows, x + m * K, K, wp, N, k0, k1, o, N, next + first * N, N, prefetch, alone, nullptr);
+        } else if (b == 0) {
+          PanelRows<kRows>(rows, x + m * K, K, wp, N, k0, k1, o, N, next + first * N, N, prefetch, alone, piece);
+        } else {
+          const float* copied = piece - k0 * kPanel;  // row k of the piece at copied + k * kPanel
+          PanelRows<kRows>(rows, x + m * K, K, copied, kPanel, k0, k1, o, N, next + first * N, N, prefetch, alone,
+                           nullptr);
+        }
+        m += rows;
       }
-      const float* xm = x + m * K;
-      float* om = out + m * N + p * kPanel;
-      if (M > m) PanelRest<kRows - 1>(M - m, xm, K, wp, k0, k1, N, om, N, next_of(m), rows_of(m), alone);
     }
   }
 }
