@@ -76,13 +76,14 @@ inline void PanelStep(const float* x, int64_t ldx, int64_t k, const float* wk, f
   }
 }
 
-// out[r, :kPanel] (+)= x[r, k0:k1] @ w[k0:k1, :kPanel] for the R rows from x / out (leading dims
-// ldx, ldo; w at the panel's first column, leading dim ldw): the sums start from zero when k0 is 0,
+// out[r, :kPanel] (+)= x[r, k0:k1] @ piece for the R rows from x / out (leading dims ldx, ldo; the
+// piece's row k - k0 at piece + (k - k0) * ldw: the weight's rows k0:k1 of one panel, or a copy of
+// them): the sums start from zero when k0 is 0,
 // else from out. The first next_rows steps also prefetch a row of `next` (leading dim N) each:
 // into L1 with `own_rows` (rows ahead of this block's own), else into L2 (the next piece). With
 // kCopy, the piece is also copied to `copy` (kPanel floats a row) for the blocks after this one.
 template <int R, bool kCopy>
-void PanelLoop(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k0, int64_t k1, float* out,
+void PanelLoop(const float* x, int64_t ldx, const float* piece, int64_t ldw, int64_t k0, int64_t k1, float* out,
                int64_t ldo, const float* next, int64_t N, int64_t next_rows, bool own_rows, float* copy) {
   Vec acc[R][kVecs];
   for (int r = 0; r < R; ++r) {
@@ -98,9 +99,9 @@ void PanelLoop(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t
         __builtin_prefetch(next + (k - k0) * N + kLanes * c, 0, 1);
       }
     }
-    PanelStep<R, kCopy>(x, ldx, k, w + k * ldw, copy + (k - k0) * kPanel, acc);
+    PanelStep<R, kCopy>(x, ldx, k, piece + (k - k0) * ldw, copy + (k - k0) * kPanel, acc);
   }
-  for (; k < k1; ++k) PanelStep<R, kCopy>(x, ldx, k, w + k * ldw, copy + (k - k0) * kPanel, acc);
+  for (; k < k1; ++k) PanelStep<R, kCopy>(x, ldx, k, piece + (k - k0) * ldw, copy + (k - k0) * kPanel, acc);
   for (int r = 0; r < R; ++r) {
     for (int64_t c = 0; c < kVecs; ++c) Store(out + r * ldo + kLanes * c, acc[r][c]);
   }
@@ -108,13 +109,15 @@ void PanelLoop(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t
 
 // PanelLoop<rows> for 1 <= rows <= R, copying the piece where `copy` is not null.
 template <int R>
-void PanelRows(int64_t rows, const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k0, int64_t k1,
+void PanelRows(int64_t rows, const float* x, int64_t ldx, const float* piece, int64_t ldw, int64_t k0, int64_t k1,
                float* out, int64_t ldo, const float* next, int64_t N, int64_t next_rows, bool own_rows, float* copy) {
   if constexpr (R > 1) {
-    if (rows < R) return PanelRows<R - 1>(rows, x, ldx, w, ldw, k0, k1, out, ldo, next, N, next_rows, own_rows, copy);
+    if (rows < R) {
+      return PanelRows<R - 1>(rows, x, ldx, piece, ldw, k0, k1, out, ldo, next, N, next_rows, own_rows, copy);
+    }
   }
-  if (copy) return PanelLoop<R, true>(x, ldx, w, ldw, k0, k1, out, ldo, next, N, next_rows, own_rows, copy);
-  PanelLoop<R, false>(x, ldx, w, ldw, k0, k1, out, ldo, next, N, next_rows, own_rows, nullptr);
+  if (copy) return PanelLoop<R, true>(x, ldx, piece, ldw, k0, k1, out, ldo, next, N, next_rows, own_rows, copy);
+  PanelLoop<R, false>(x, ldx, piece, ldw, k0, k1, out, ldo, next, N, next_rows, own_rows, nullptr);
 }
 
 // Panels [p0, p1) for every row, piece by piece: a k range of kChunk rows across the panels, then
@@ -138,7 +141,7 @@ void Panels(const float* x, const float* w, int64_t M, int64_t K, int64_t N, int
   const bool copy = kCopyBlocks > 0 && blocks >= kCopyBlocks && one_set;
   const bool short_pieces = narrow_item || blocks <= 2 || (one_set && !copy);
   const int64_t chunk = short_pieces ? std::min(kChunk, kNarrowChunk) : kChunk;
-  alignas(64) float piece[kChunk * kPanel];
+  alignas(64) float copied[kChunk * kPanel];
   for (int64_t k0 = 0; k0 < K; k0 += chunk) {
     const int64_t k1 = std::min(K, k0 + chunk);
     for (int64_t p = p0; p < p1; ++p) {
@@ -157,12 +160,12 @@ void Panels(const float* x, const float* w, int64_t M, int64_t K, int64_t N, int
         const int64_t first = std::min(next_rows, b * share);  // the first next row block b prefetches
         const int64_t prefetch = std::min(share, next_rows - first);
         float* o = out + m * N + p * kPanel;
+        const float* piece = wp + k0 * N;
         if (!copy) {
-          PanelRows<kRows>(rows, x + m * K, K, wp, N, k0, k1, o, N, next + first * N, N, prefetch, alone, nullptr);
+          PanelRows<kRows>(rows, x + m * K, K, piece, N, k0, k1, o, N, next + first * N, N, prefetch, alone, nullptr);
         } else if (b == 0) {
-          PanelRows<kRows>(rows, x + m * K, K, wp, N, k0, k1, o, N, next + first * N, N, prefetch, alone, piece);
+          PanelRows<kRows>(rows, x + m * K, K, piece, N, k0, k1, o, N, next + first * N, N, prefetch, alone, copied);
         } else {
-          const float* copied = piece - k0 * kPanel;  // row k of the piece at copied + k * kPanel
           PanelRows<kRows>(rows, x + m * K, K, copied, kPanel, k0, k1, o, N, next + first * N, N, prefetch, alone,
                            nullptr);
         }
