@@ -290,7 +290,8 @@ def run_steps():
 
 def weight_groups(path: str) -> list[tuple[int, tuple]]:
     """(K, widths) of each call a decode step of the model at ``path`` makes: q/k/v, o, gate/up,
-    down, and the output projection (the tied embedding's is not a matmul the kernel serves)."""
+    down, and the output projection (a tied embedding's is left out: it is ``jpaged_matmul_t``'s, on the
+    table as it lies, not this kernel's)."""
     import json
 
     from jpaged.models.model_config import ModelConfig
