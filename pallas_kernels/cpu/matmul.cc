@@ -57,7 +57,7 @@ constexpr int64_t kItemsPerWorker = 4;        // work items per thread, where th
 constexpr int64_t kFewItemsPerWorker = 2;     // the same for FewRows
 constexpr int64_t kChunk = 4096 / kPanel;     // weight rows per pass of the row blocks (16 KiB of a panel)
 constexpr int64_t kNarrowChunk = 64;          // the same for a narrow work item (kNarrowPanels) or few rows
-constexpr int64_t kNarrowPanels = 8;
+constexpr int64_t kNarrowPanels = 8;          // most panels of a narrow work item
 constexpr int64_t kDepth = 8;                 // weight rows per pass of FewRows
 
 
@@ -159,16 +159,10 @@ void Panels(const float* x, const float* w, int64_t M, int64_t K, int64_t N, int
         const int64_t rows = spread ? M / blocks + (b < M % blocks) : std::min(kRows, M - m);
         const int64_t first = std::min(next_rows, b * share);  // the first next row block b prefetches
         const int64_t prefetch = std::min(share, next_rows - first);
-        float* o = out + m * N + p * kPanel;
-        const float* piece = wp + k0 * N;
-        if (!copy) {
-          PanelRows<kRows>(rows, x + m * K, K, piece, N, k0, k1, o, N, next + first * N, N, prefetch, alone, nullptr);
-        } else if (b == 0) {
-          PanelRows<kRows>(rows, x + m * K, K, piece, N, k0, k1, o, N, next + first * N, N, prefetch, alone, copied);
-        } else {
-          PanelRows<kRows>(rows, x + m * K, K, copied, kPanel, k0, k1, o, N, next + first * N, N, prefetch, alone,
-                           nullptr);
-        }
+        const bool reads_copy = copy && b > 0;  // the first block copies the piece, the others read the copy
+        PanelRows<kRows>(rows, x + m * K, K, reads_copy ? copied : wp + k0 * N, reads_copy ? kPanel : N, k0, k1,
+                         out + m * N + p * kPanel, N, next + first * N, N, prefetch, alone,
+                         copy && b == 0 ? copied : nullptr);
         m += rows;
       }
     }

@@ -224,9 +224,9 @@ def test_greedy_sampling_through_the_kernel_equals_the_jnp_path(monkeypatch, for
 def test_matmul_vs_numpy(m, k, n):
     """Whole panels, a column tail, row blocks and their rest (up to 16 blocks sharing the next
     piece's prefetch), K across pieces; wide work items (N of 16,000: wide on up to ~30 threads),
-    where the rows are spread over the blocks (26 rows: 6, 5, 5, 5, 5); rows 4 KiB apart (N a multiple of 1024) with enough blocks, where the
-    first block copies each piece for the others; few rows with K split between work items (summed
-    at the end), K not a multiple of the split."""
+    where the rows are spread over the blocks (26 rows: 6, 5, 5, 5, 5); rows 4 KiB apart (N a
+    multiple of 1024) with enough blocks, where the first block copies each piece for the others;
+    few rows with K split between work items (summed at the end), K not a multiple of the split."""
     rng = np.random.default_rng(m * n)
     x, w = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
     out = np.asarray(jax.jit(cpu_kernels.matmul)(x, w))
