@@ -12,6 +12,8 @@ Layout (Megatron-LM style, one all-reduce per attention block and per MLP block)
   device's pool holds only its heads' slice of every block; so are the scales of 8-bit pages
   (``[num_kv_heads, num_blocks, block_size]``), which thus stay with their pages. Block tables stay
   on the host, once, and reach every device replicated.
+- the pool and every embedding table are also kept in row-major order (`kv_pool_format`,
+  `param_format`), the order the kernels and the rows' gather read.
 
 When a model has fewer KV heads than devices, each KV head is replicated ``N / num_kv_heads`` times
 at load time (the weights of k/v projections are repeated), so every device owns one KV head: the
@@ -112,6 +114,35 @@ def param_spec(path: tuple, shape: tuple, tp: int, expert_parallel: bool = False
     return spec
 
 
+def param_format(path: tuple, shape: tuple, mesh: Mesh, expert_parallel: bool = False) -> NamedSharding | Format:
+    """Where the parameter at ``path`` lives: its `param_spec` on ``mesh``, and for an embedding
+    table (a leaf ``embedding``, read by a gather of its rows) also row-major order. XLA:TPU's
+    default order for a table whose rows would pad its tiles (gpt-oss-120b's shard is 360 wide, not
+    a multiple of 128 lanes) is column-major, and a step taking it so copies the whole table into
+    row-major order for the gather, every step. (On the CPU row-major is the default: nothing
+    changes there.)"""
+    target = NamedSharding(mesh, param_spec(path, shape, mesh.shape[MODEL_AXIS], expert_parallel))
+    if is_row_major_leaf(path):
+        return Format(Layout(major_to_minor=tuple(range(len(shape)))), target)
+    return target
+
+
+def is_row_major_leaf(path: tuple) -> bool:
+    """Whether the parameter at ``path`` is kept in row-major order (`param_format`)."""
+    names = [p for p in path if isinstance(p, str)]
+    return bool(names) and names[-1] == "embedding"
+
+
+def is_placed(x, target: NamedSharding | Format) -> bool:
+    """Whether ``x`` is a device array already on ``target``'s sharding (and in its order, if a
+    `Format` names one)."""
+    sharding = target.sharding if isinstance(target, Format) else target
+    if not (isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim)):
+        return False
+    layout = target.layout if isinstance(target, Format) else None
+    return layout is None or x.format.layout.major_to_minor == layout.major_to_minor
+
+
 def kv_head_replication(num_heads: int, num_kv_heads: int, tp: int) -> int:
     """How many times each KV head is repeated so that N devices each own whole heads."""
     if num_heads % tp:
@@ -144,27 +175,25 @@ def key_path_names(key_path) -> tuple:
 
 def shard_state(state, mesh: Mesh, expert_parallel: bool = False):
     """Every leaf of a model state placed by the rules on ``mesh`` (no-op for leaves already there)."""
-    tp = mesh.shape[MODEL_AXIS]
-
     local = all(d.process_index == jax.process_index() for d in mesh.devices.flat)
 
     def place(key_path, x):
-        target = NamedSharding(mesh, param_spec(key_path_names(key_path), x.shape, tp, expert_parallel))
-        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(target, x.ndim):
+        target = param_format(key_path_names(key_path), x.shape, mesh, expert_parallel)
+        if is_placed(x, target):
             return x
         if local:  # device to device, never through the host
             return jax.device_put(x, target)
-        return make_array(mesh, target.spec, np.asarray(x))  # a mesh spanning processes
+        return make_array(target, np.asarray(x))  # a mesh spanning processes
 
     return jax.tree_util.tree_map_with_path(place, state)
 
 
-def make_array(mesh: Mesh, spec: P, array: np.ndarray) -> jax.Array:
-    """Places a host array straight into its shards: each device receives only its slice."""
-    sharding = NamedSharding(mesh, spec)
+def make_array(target: NamedSharding | Format, array: np.ndarray) -> jax.Array:
+    """Places a host array straight into its shards (and order, given a `Format`): each device
+    receives only its slice."""
     # each shard a copy: on the CPU a shard would alias the host array, and its per-device array
     # then stays live (and counted) after the engine drops the weight (sleep, update_weights)
-    return jax.make_array_from_callback(array.shape, sharding, lambda index: np.array(array[index]))
+    return jax.make_array_from_callback(array.shape, target, lambda index: np.array(array[index]))
 
 
 # shard_map spec prefixes of `shard_heads`: activations [T, heads, ...] and pool arrays [heads, blocks, ...].

@@ -52,6 +52,10 @@ def test_tensor_parallel_tokens_identical_and_shardings(request, fixture, kv_hea
         assert layer["self_attn"]["o_proj"]["kernel"][...].sharding.spec == P("model", None)
         assert layer["mlp"]["down_proj"]["kernel"][...].sharding.spec == P("model", None)
         assert runner.state["lm_head"]["kernel"][...].sharding.spec == P(None, "model")
+        table = runner.state["embed_tokens"]["embedding"][...]
+        assert table.sharding.spec == P(None, "model") and table.format.layout.major_to_minor == (0, 1)
+        # a weight update or wake-up places the table in the same order (`sharding.param_format`)
+        assert runner.weight_targets.specs[("embed_tokens", "embedding")].format.layout.major_to_minor == (0, 1)
         k_pages = runner.kv_pool.caches[0][0]
         assert k_pages.sharding.spec == P("model", None, None, None)
         assert len(k_pages.sharding.device_set) == tp
@@ -85,3 +89,22 @@ def test_data_parallel_replicas_on_disjoint_devices(gqa2_dir):
     per_replica = llm.get_metrics()["replicas"]
     assert all(m["prefix_cache_queries"] > 0 for m in per_replica), "both replicas served requests"
     assert llm.get_metrics()["num_free_blocks"] == 80
+
+
+def test_embedding_tables_are_placed_row_major():
+    """XLA:TPU may keep a table whose rows pad its tiles column-major, and a step then copies it for
+    the gather every step (tests/entrypoints/test_aot_engine.py measures it); `param_format` names
+    row-major order for every embedding table, the sharding alone for the other weights."""
+    from jax.experimental.layout import Format
+
+    from jpaged import sharding
+
+    mesh = sharding.make_mesh(2)
+    table = sharding.param_format(("embed_tokens", "embedding"), (64, 32), mesh)
+    assert isinstance(table, Format) and table.layout.major_to_minor == (0, 1)
+    assert table.sharding.spec == P(None, "model")
+    kernel = sharding.param_format(("layers", 0, "mlp", "up_proj", "kernel"), (32, 64), mesh)
+    assert kernel.spec == P(None, "model")
+    x = jax.device_put(np.zeros((64, 32), np.float32), table)
+    assert sharding.is_placed(x, table) and not sharding.is_placed(x, sharding.replicated(mesh))
+    assert not sharding.is_placed(np.zeros((64, 32), np.float32), table)

@@ -162,8 +162,8 @@ def abstract_state(config: ModelConfig, mesh, *, dtype, quantization: str | None
     graphdef, state = nnx.split(model)
 
     def place(key_path, x):
-        spec = sharding.param_spec(sharding.key_path_names(key_path), x.shape, tp, expert_parallel)
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.param_format(
+            sharding.key_path_names(key_path), x.shape, mesh, expert_parallel))
 
     return graphdef, jax.tree_util.tree_map_with_path(place, state), layout
 

@@ -246,7 +246,7 @@ def load_model(path: str, *, dtype, attention_backend: str, mesh=None, quantizat
         if factor > 1:
             weights = ((n, _repeat_kv_heads(n, a, kv_heads, factor)) for n, a in weights)
         shard_fn = lambda path, array: sharding.make_array(  # noqa: E731
-            mesh, sharding.param_spec(path, array.shape, tp, expert_parallel), array)
+            sharding.param_format(path, array.shape, mesh, expert_parallel), array)
     model = build_model(config, weights, dtype=dtype, attention_backend=attention_backend, shard_fn=shard_fn,
                         quantization=quantization, expert_parallel=expert_parallel)
     return model, config, tokenizer

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jpaged.sharding import key_path_names
+from jpaged.sharding import is_placed, is_row_major_leaf, key_path_names
 
 
 def quantize_int8_jnp(w, axis: int):
@@ -105,8 +105,10 @@ class WeightTargets:
     def __init__(self, graphdef, state, weights_shared: bool = False):
         flat, self.treedef = jax.tree_util.tree_flatten_with_path(state)
         self.paths = [key_path_names(kp) for kp, _ in flat]
-        self.specs = {p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for p, (_, x) in
-                      zip(self.paths, flat)}
+        # an embedding table keeps its row-major order too (`sharding.param_format`): `spec.format`
+        self.specs = {p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.format if (
+            is_row_major_leaf(p) and getattr(x, "committed", False)) else x.sharding) for p, (_, x) in
+            zip(self.paths, flat)}
         # a leaf left on the default device (not committed, e.g. a rotary table) is put back so:
         # jit keys on it, and a committed copy would compile its callers again
         self.uncommitted = {p for p, (_, x) in zip(self.paths, flat) if not getattr(x, "committed", True)}
@@ -136,16 +138,16 @@ class WeightTargets:
             array = array.astype(spec.dtype)
         if path in self.uncommitted:
             return jax.device_put(array)
-        if isinstance(array, jax.Array) and array.sharding.is_equivalent_to(spec.sharding, array.ndim):
+        if is_placed(array, spec.format):
             return array
-        return jax.device_put(array, spec.sharding)
+        return jax.device_put(array, spec.format)
 
     def place_all(self, arrays: dict) -> dict:
         """{path: array} (host copies of leaves, e.g. after sleep) back on their shardings, in one
         batched transfer."""
         moved = [p for p in arrays if p not in self.uncommitted]
         out = {p: jax.device_put(arrays[p]) for p in arrays if p in self.uncommitted}
-        out.update(zip(moved, jax.device_put([arrays[p] for p in moved], [self.specs[p].sharding for p in moved])))
+        out.update(zip(moved, jax.device_put([arrays[p] for p in moved], [self.specs[p].format for p in moved])))
         return out
 
     # The three forms -----------------------------------------------------------------------------------
@@ -223,8 +225,7 @@ class WeightTargets:
         """``x`` is already the leaf (its dtype and sharding, nothing to transpose or stack)."""
         spec = self.specs[path]
         return (recipe == Recipe(False, 0, None, str(spec.dtype)) and isinstance(x, jax.Array)
-                and x.dtype == spec.dtype and getattr(x, "committed", True)
-                and x.sharding.is_equivalent_to(spec.sharding, x.ndim))
+                and x.dtype == spec.dtype and getattr(x, "committed", True) and is_placed(x, spec.format))
 
     def _source_sharding(self, path: tuple, recipe: Recipe):
         """Where a source goes on the engine's mesh before the assembly: the leaf's sharding in the
@@ -290,7 +291,7 @@ class WeightTargets:
         if key not in self._assemblers:
             # keep_unused: the donated old leaves are not read, and an argument jit prunes is not donated
             self._assemblers[key] = jax.jit(functools.partial(_assemble, recipes), donate_argnums=(1,),
-                                            keep_unused=True, out_shardings=[self.specs[p].sharding for p in outputs])
+                                            keep_unused=True, out_shardings=[self.specs[p].format for p in outputs])
         leaves = self._assemblers[key]([jobs[p][0] for p in paths], [old[p] for p in donated])
         out.update(zip(outputs, leaves))
         self.borrowed.difference_update(outputs)
