@@ -18,7 +18,6 @@ import time
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
 
 import pallas_kernels
 from jpaged import sharding
