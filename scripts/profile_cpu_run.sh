@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Where the CPU time of a benchmark run goes, by kind of work, from `perf record` samples (Linux
+# `perf`, not a Python package). The C++ kernels run inside XLA's program as custom calls, which a
+# `jax.profiler` trace does not show; perf's samples do, by symbol.
+#
+# Runs `scripts/benchmark_throughput.py` with the given flags under `perf record` and sums the
+# samples of its timed run: from the first C++ matmul sample after the longest pause between two of
+# them (the kernel-choice measurements come before the warm-up compile, the timed run after it) to
+# the last one. Prints CPU-seconds per kind: the C++ matmul (`Panels`, `FewRows`, `DotRows`), the
+# C++ attention (`Attend*`), XLA's own dots (YNNPACK's `ynn::` kernels), Python, the rest. With
+# both cores busy, a kind's wall-clock share is its CPU-seconds over twice the span.
+#
+#   bash scripts/profile_cpu_run.sh --workload fixed --num_requests 32
+set -euo pipefail
+cd "$(dirname "$0")/.."
+command -v perf >/dev/null || { echo "profile_cpu_run.sh: needs Linux perf (e.g. apt install linux-perf)" >&2; exit 2; }
+hz=499
+data=$(mktemp --suffix=.perf.data)
+trap 'rm -f "$data"' EXIT
+PYTHONPATH="$PWD:$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}" perf record -q -F "$hz" -o "$data" -- \
+  python scripts/benchmark_throughput.py "$@"
+perf script -i "$data" -F time,ip,sym,dso 2>/dev/null | awk -v hz="$hz" '
+  { t = $1 + 0; tm[NR] = t; line[NR] = $0
+    if ($0 ~ /Panels|FewRows|DotRows/) { if (prev && t - prev > gap) { gap = t - prev; start = t }; prev = t; last = t } }
+  END {
+    if (!last) { print "profile_cpu_run.sh: no C++ matmul samples (did the kernels serve?)"; exit 1 }
+    for (i = 1; i <= NR; i++) {
+      if (tm[i] < start || tm[i] > last) continue
+      total++; s = line[i]
+      if (s ~ /Panels|FewRows|DotRows/) kind["C++ matmul"]++
+      else if (s ~ /Attend/) kind["C++ attention"]++
+      else if (s ~ /ynn::/) kind["XLA dot"]++
+      else if (s ~ /python/) kind["Python"]++
+      else kind["rest"]++
+    }
+    printf "timed run: %.2f s, %d samples = %.2f CPU-s at %d Hz (both cores busy: %.2f)\n", last - start, total, total / hz, hz, 2 * (last - start)
+    for (k in kind) printf "  %-14s %6.2f CPU-s  %5.1f%%\n", k, kind[k] / hz, 100 * kind[k] / total
+  }'
