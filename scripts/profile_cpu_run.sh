@@ -4,11 +4,11 @@
 # `jax.profiler` trace does not show; perf's samples do, by symbol.
 #
 # Runs `scripts/benchmark_throughput.py` with the given flags under `perf record` and sums the
-# samples of its timed run: from the first C++ matmul sample after the longest pause between two of
-# them (the kernel-choice measurements come before the warm-up compile, the timed run after it) to
-# the last one. Prints CPU-seconds per kind: the C++ matmul (`Panels`, `FewRows`, `DotRows`), the
-# C++ attention (`Attend*`), XLA's own dots (YNNPACK's `ynn::` kernels), Python, the rest. With
-# both cores busy, a kind's wall-clock share is its CPU-seconds over twice the span.
+# samples of its timed run: the seconds the benchmark reports for it, ending at the last C++ matmul
+# sample (the run's last step). Prints CPU-seconds per kind: the C++ matmul (`Panels`, `FewRows`,
+# `DotRows`), the C++ attention (`Attend*`), XLA's own dots (YNNPACK's `ynn::` kernels), the Python
+# interpreter (libpython), the rest (XLA's other code, the kernel, libc). With both cores busy, a
+# kind's wall-clock share is its CPU-seconds over twice the span.
 #
 #   bash scripts/profile_cpu_run.sh --workload fixed --num_requests 32
 set -euo pipefail
@@ -16,21 +16,25 @@ cd "$(dirname "$0")/.."
 command -v perf >/dev/null || { echo "profile_cpu_run.sh: needs Linux perf (e.g. apt install linux-perf)" >&2; exit 2; }
 hz=499
 data=$(mktemp --suffix=.perf.data)
-trap 'rm -f "$data"' EXIT
+out=$(mktemp)
+trap 'rm -f "$data" "$out"' EXIT
 PYTHONPATH="$PWD:$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}" perf record -q -F "$hz" -o "$data" -- \
-  python scripts/benchmark_throughput.py "$@"
-perf script -i "$data" -F time,ip,sym,dso 2>/dev/null | awk -v hz="$hz" '
-  { t = $1 + 0; tm[NR] = t; line[NR] = $0
-    if ($0 ~ /Panels|FewRows|DotRows/) { if (prev && t - prev > gap) { gap = t - prev; start = t }; prev = t; last = t } }
+  python scripts/benchmark_throughput.py "$@" | tee "$out"
+# the timed run's seconds: "... steps 19  16.8 s (+0.1 s compiling ..." (the last run printed)
+seconds=$(grep -oE 'steps [0-9]+ +[0-9.]+ s' "$out" | tail -1 | awk '{print $3}')
+[ -n "$seconds" ] || { echo "profile_cpu_run.sh: no timed run in the benchmark's output" >&2; exit 1; }
+perf script -i "$data" -F time,ip,sym,dso 2>/dev/null | awk -v hz="$hz" -v seconds="$seconds" '
+  { t = $1 + 0; tm[NR] = t; line[NR] = $0; if ($0 ~ /Panels|FewRows|DotRows/) last = t }
   END {
     if (!last) { print "profile_cpu_run.sh: no C++ matmul samples (did the kernels serve?)"; exit 1 }
+    start = last - seconds
     for (i = 1; i <= NR; i++) {
       if (tm[i] < start || tm[i] > last) continue
       total++; s = line[i]
       if (s ~ /Panels|FewRows|DotRows/) kind["C++ matmul"]++
       else if (s ~ /Attend/) kind["C++ attention"]++
       else if (s ~ /ynn::/) kind["XLA dot"]++
-      else if (s ~ /python/) kind["Python"]++
+      else if (s ~ /libpython/) kind["Python"]++
       else kind["rest"]++
     }
     printf "timed run: %.2f s, %d samples = %.2f CPU-s at %d Hz (both cores busy: %.2f)\n", last - start, total, total / hz, hz, 2 * (last - start)
