@@ -23,15 +23,15 @@ PYTHONPATH="$PWD:$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}" perf record -q -F "$hz
 # the timed run's seconds: "... steps 19  16.8 s (+0.1 s compiling ..." (the last run printed)
 seconds=$(grep -oE 'steps [0-9]+ +[0-9.]+ s' "$out" | tail -1 | awk '{print $3}')
 [ -n "$seconds" ] || { echo "profile_cpu_run.sh: no timed run in the benchmark's output" >&2; exit 1; }
-perf script -i "$data" -F time,ip,sym,dso 2>/dev/null | awk -v hz="$hz" -v seconds="$seconds" '
-  { t = $1 + 0; tm[NR] = t; line[NR] = $0; if ($0 ~ /Panels|FewRows|DotRows/) last = t }
+perf script -i "$data" -F time,ip,sym,dso 2>/dev/null | awk -v hz="$hz" -v seconds="$seconds" -v matmul="Panels|FewRows|DotRows" '
+  { t = $1 + 0; tm[NR] = t; line[NR] = $0; if ($0 ~ matmul) last = t }
   END {
     if (!last) { print "profile_cpu_run.sh: no C++ matmul samples (did the kernels serve?)"; exit 1 }
     start = last - seconds
     for (i = 1; i <= NR; i++) {
       if (tm[i] < start || tm[i] > last) continue
       total++; s = line[i]
-      if (s ~ /Panels|FewRows|DotRows/) kind["C++ matmul"]++
+      if (s ~ matmul) kind["C++ matmul"]++
       else if (s ~ /Attend/) kind["C++ attention"]++
       else if (s ~ /ynn::/) kind["XLA dot"]++
       else if (s ~ /libpython/) kind["Python"]++

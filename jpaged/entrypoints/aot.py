@@ -149,9 +149,8 @@ def _placed(tree, sharding_of):
 def abstract_state(config: ModelConfig, mesh, *, dtype, quantization: str | None, expert_parallel: bool = False,
                    lora: tuple[int, int] | None = None, attention_backend: str = "pallas"):
     """(graphdef, state, KV-cache layout): the model's parameters as structs placed by
-    `sharding.param_spec`, and its layers' KV-cache groups. ``lora``: (adapter slots incl. slot
+    `sharding.param_format`, and its layers' KV-cache groups. ``lora``: (adapter slots incl. slot
     0, max rank) of the LoRA slot stacks to attach (`jpaged.models.lora.attach_lora`)."""
-    tp = mesh.shape[sharding.MODEL_AXIS]
     model = abstract_model(config, dtype=dtype, attention_backend=attention_backend, quantization=quantization,
                            expert_parallel=expert_parallel)
     if lora is not None:
