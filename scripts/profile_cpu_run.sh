@@ -5,10 +5,11 @@
 #
 # Runs `scripts/benchmark_throughput.py` with the given flags under `perf record` and sums the
 # samples of its timed run: the seconds the benchmark reports for it, ending at the last C++ matmul
-# sample (the run's last step). Prints CPU-seconds per kind: the C++ matmul (`Panels`, `FewRows`,
-# `DotRows`), the C++ attention (`Attend*`), XLA's own dots (YNNPACK's `ynn::` kernels), the Python
-# interpreter (libpython), the rest (XLA's other code, the kernel, libc). With both cores busy, a
-# kind's wall-clock share is its CPU-seconds over twice the span.
+# sample (the run's last step). Prints CPU-seconds per kind: the C++ matmul (`Panels` and its
+# `PanelLoop`s, which an AVX-512 build keeps apart, `FewRows`, `DotRows`, `DotBlock`), the C++ attention
+# (`Attend*`), XLA's own dots (YNNPACK's `ynn::` kernels), the Python interpreter (libpython), the
+# rest (XLA's other code, the kernel, libc). With both cores busy, a kind's wall-clock share is its
+# CPU-seconds over twice the span.
 #
 #   bash scripts/profile_cpu_run.sh --workload fixed --num_requests 32
 set -euo pipefail
@@ -23,7 +24,7 @@ PYTHONPATH="$PWD:$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}" perf record -q -F "$hz
 # the timed run's seconds: "... steps 19  16.8 s (+0.1 s compiling ..." (the last run printed)
 seconds=$(grep -oE 'steps [0-9]+ +[0-9.]+ s' "$out" | tail -1 | awk '{print $3}')
 [ -n "$seconds" ] || { echo "profile_cpu_run.sh: no timed run in the benchmark's output" >&2; exit 1; }
-perf script -i "$data" -F time,ip,sym,dso 2>/dev/null | awk -v hz="$hz" -v seconds="$seconds" -v matmul="Panels|FewRows|DotRows" '
+perf script -i "$data" -F time,ip,sym,dso 2>/dev/null | awk -v hz="$hz" -v seconds="$seconds" -v matmul="Panel|FewRows|DotRows|DotBlock" '
   { t = $1 + 0; tm[NR] = t; line[NR] = $0; if ($0 ~ matmul) last = t }
   END {
     if (!last) { print "profile_cpu_run.sh: no C++ matmul samples (did the kernels serve?)"; exit 1 }

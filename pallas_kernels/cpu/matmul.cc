@@ -11,8 +11,8 @@
 // and every block prefetching its share of the next piece into L2 meanwhile, so that memory keeps
 // streaming while the blocks compute. With at most one block of rows
 // (kFewRows), FewRows reads the weight in its own order instead, row after row across the whole
-// width, each work item a contiguous range of the weight's rows (partial sums added at the end);
-// with AVX-512 a lone block prefetches its own rows a little ahead. Otherwise runs of neighbouring
+// width, each work item a contiguous range of the weight's rows (partial sums added at the end;
+// not with AVX-512, where one block streams as fast). Otherwise runs of neighbouring
 // panels of a weight (long runs of each weight row: memory streams better) are the work items.
 // Items are shared with XLA's intra-op thread pool (common.h); the weights of one call (a layer's
 // q, k and v; its gate and up) share one hand-off. jpaged_matmul_t takes the weight transposed, w [N, K] (DotRows).
@@ -35,28 +35,28 @@ using jpaged::Store;
 using jpaged::Vec;
 
 // The register block per instruction set: kVecs vectors of kLanes floats per row (a panel of kPanel
-// columns), kRows rows, kRows x kVecs accumulators. AVX-512 (32 registers): 4 x 4. AVX/AVX2 and SSE
-// (16 registers): 6 x 2, which leaves registers for the weight row and the broadcast.
-// Spreading the rows evenly over the blocks and copying pieces that fall in one L1 set (Panels)
-// were measured on AVX2 only: the AVX-512 path keeps its measured form without them.
+// columns), kRows rows, kRows x kVecs accumulators, leaving registers for the weight row and the
+// broadcast. AVX-512 (32 registers): 6 x 4. AVX/AVX2 and SSE (16 registers): 6 x 2. With few row
+// blocks (kShortBlocks) the pieces are kShortChunk rows. Measured per instruction set (docs/cpu.md).
 #ifdef __AVX512F__
-constexpr int64_t kVecs = 4, kRows = 4;
-constexpr int64_t kFewRows = 0;               // a lone block prefetches its own rows instead
-constexpr bool kSpreadRows = false;
-constexpr int64_t kCopyBlocks = 0;            // never
+constexpr int64_t kVecs = 4, kRows = 6;
+constexpr int64_t kFewRows = 0;               // never FewRows: one block streams as fast
+constexpr int64_t kCopyBlocks = 0;            // never copied
+constexpr int64_t kShortBlocks = 3, kShortChunk = 32;  // 8 KiB of a panel
+constexpr bool kSpreadNarrow = true;          // spread the rows in narrow items too
 #else
 constexpr int64_t kVecs = 2, kRows = 6;
 constexpr int64_t kFewRows = kRows;           // one block or less: FewRows
-constexpr bool kSpreadRows = true;
 constexpr int64_t kCopyBlocks = 4;            // row blocks from which a piece in one L1 set is copied
+constexpr int64_t kShortBlocks = 2, kShortChunk = 64;  // 4 KiB of a panel
+constexpr bool kSpreadNarrow = false;
 #endif
 constexpr int64_t kPanel = kVecs * kLanes;    // columns per panel
-constexpr int64_t kAheadRows = 16;            // how far ahead a lone row block prefetches its rows
 constexpr int64_t kItemPanels = 32;           // most panels per work item (longer runs of each weight row)
 constexpr int64_t kItemsPerWorker = 4;        // work items per thread, where there are enough panels
 constexpr int64_t kFewItemsPerWorker = 2;     // the same for FewRows
 constexpr int64_t kChunk = 4096 / kPanel;     // weight rows per pass of the row blocks (16 KiB of a panel)
-constexpr int64_t kNarrowChunk = 64;          // the same for a narrow work item (kNarrowPanels) or few rows
+constexpr int64_t kNarrowChunk = 64;          // the same for a narrow work item (kNarrowPanels)
 constexpr int64_t kNarrowPanels = 8;          // most panels of a narrow work item
 constexpr int64_t kDepth = 8;                 // weight rows per pass of FewRows
 
@@ -79,12 +79,12 @@ inline void PanelStep(const float* x, int64_t ldx, int64_t k, const float* wk, f
 // out[r, :kPanel] (+)= x[r, k0:k1] @ piece for the R rows from x / out (leading dims ldx, ldo; the
 // piece's row k - k0 at piece + (k - k0) * ldw: the weight's rows k0:k1 of one panel, or a copy of
 // them): the sums start from zero when k0 is 0,
-// else from out. The first next_rows steps also prefetch a row of `next` (leading dim N) each:
-// into L1 with `own_rows` (rows ahead of this block's own), else into L2 (the next piece). With
-// kCopy, the piece is also copied to `copy` (kPanel floats a row) for the blocks after this one.
+// else from out. The first next_rows steps also prefetch a row of `next` (leading dim N; the next
+// piece) each into L2. With kCopy, the piece is also copied to `copy` (kPanel floats a row) for the
+// blocks after this one.
 template <int R, bool kCopy>
 void PanelLoop(const float* x, int64_t ldx, const float* piece, int64_t ldw, int64_t k0, int64_t k1, float* out,
-               int64_t ldo, const float* next, int64_t N, int64_t next_rows, bool own_rows, float* copy) {
+               int64_t ldo, const float* next, int64_t N, int64_t next_rows, float* copy) {
   Vec acc[R][kVecs];
   for (int r = 0; r < R; ++r) {
     for (int64_t c = 0; c < kVecs; ++c) acc[r][c] = k0 > 0 ? Load(out + r * ldo + kLanes * c) : Vec{};
@@ -92,13 +92,7 @@ void PanelLoop(const float* x, int64_t ldx, const float* piece, int64_t ldw, int
   const int64_t prefetched = k0 + std::min(next_rows, k1 - k0);
   int64_t k = k0;
   for (; k < prefetched; ++k) {
-    for (int64_t c = 0; c < kVecs; ++c) {
-      if (own_rows) {
-        __builtin_prefetch(next + (k - k0) * N + kLanes * c, 0, 3);
-      } else {
-        __builtin_prefetch(next + (k - k0) * N + kLanes * c, 0, 1);
-      }
-    }
+    for (int64_t c = 0; c < kVecs; ++c) __builtin_prefetch(next + (k - k0) * N + kLanes * c, 0, 1);
     PanelStep<R, kCopy>(x, ldx, k, piece + (k - k0) * ldw, copy + (k - k0) * kPanel, acc);
   }
   for (; k < k1; ++k) PanelStep<R, kCopy>(x, ldx, k, piece + (k - k0) * ldw, copy + (k - k0) * kPanel, acc);
@@ -110,37 +104,35 @@ void PanelLoop(const float* x, int64_t ldx, const float* piece, int64_t ldw, int
 // PanelLoop<rows> for 1 <= rows <= R, copying the piece where `copy` is not null.
 template <int R>
 void PanelRows(int64_t rows, const float* x, int64_t ldx, const float* piece, int64_t ldw, int64_t k0, int64_t k1,
-               float* out, int64_t ldo, const float* next, int64_t N, int64_t next_rows, bool own_rows, float* copy) {
+               float* out, int64_t ldo, const float* next, int64_t N, int64_t next_rows, float* copy) {
   if constexpr (R > 1) {
-    if (rows < R) {
-      return PanelRows<R - 1>(rows, x, ldx, piece, ldw, k0, k1, out, ldo, next, N, next_rows, own_rows, copy);
-    }
+    if (rows < R) return PanelRows<R - 1>(rows, x, ldx, piece, ldw, k0, k1, out, ldo, next, N, next_rows, copy);
   }
-  if (copy) return PanelLoop<R, true>(x, ldx, piece, ldw, k0, k1, out, ldo, next, N, next_rows, own_rows, copy);
-  PanelLoop<R, false>(x, ldx, piece, ldw, k0, k1, out, ldo, next, N, next_rows, own_rows, nullptr);
+  if (copy) return PanelLoop<R, true>(x, ldx, piece, ldw, k0, k1, out, ldo, next, N, next_rows, copy);
+  PanelLoop<R, false>(x, ldx, piece, ldw, k0, k1, out, ldo, next, N, next_rows, nullptr);
 }
 
 // Panels [p0, p1) for every row, piece by piece: a k range of kChunk rows across the panels, then
 // the next. While a piece's row blocks compute, they prefetch the next piece into L2, each block its
 // share of its rows, so that memory streams all through the pass. In a wide item (more than
-// kNarrowPanels panels) the rows are spread evenly over the blocks where each gets at least
-// kRows - 1 (32 rows: 6, 6, 5, 5, 5, 5; not 6 x 5 and 2): a block of few rows has too few sums to
-// hide the FMA's latency (8 rows: 6 and 2 measured faster than 4 and 4; in narrow items the spread
-// measured slower). Where the weight's rows lie a multiple of 4 KiB apart, every row of a piece
+// kNarrowPanels panels; in any with kSpreadNarrow) the rows are spread evenly over the blocks where
+// each gets at least kRows - 1 (32 rows: 6, 6, 5, 5, 5, 5; not 6 x 5 and 2): a block of few rows has
+// too few sums to hide the FMA's latency (8 rows: 6 and 2 measured faster than 4 and 4; in narrow
+// items the spread measured slower with AVX2). Where the weight's rows lie a multiple of 4 KiB apart, every row of a piece
 // falls in the same L1 set and they evict each other: with kCopyBlocks blocks or more the first
 // block copies the piece into a contiguous buffer, which the other blocks read. Pieces are
-// kNarrowChunk rows in a narrow item, with at most two blocks, or in one L1 set and not copied
-// (measured faster there), else kChunk.
+// kShortChunk rows with at most kShortBlocks blocks, kNarrowChunk in a narrow item or in one L1 set
+// and not copied (measured faster there), else kChunk.
 void Panels(const float* x, const float* w, int64_t M, int64_t K, int64_t N, int64_t p0, int64_t p1, float* out) {
   const int64_t blocks = (M + kRows - 1) / kRows;
-  const bool alone = blocks == 1;
   const bool narrow_item = p1 - p0 <= kNarrowPanels;
   // every block gets at least kRows - 1 rows
-  const bool spread = kSpreadRows && !narrow_item && M >= (kRows - 1) * blocks;
+  const bool spread = (kSpreadNarrow || !narrow_item) && M >= (kRows - 1) * blocks;
   const bool one_set = N * sizeof(float) % 4096 == 0;  // every row of a piece in the same L1 set
   const bool copy = kCopyBlocks > 0 && blocks >= kCopyBlocks && one_set;
-  const bool short_pieces = narrow_item || blocks <= 2 || (one_set && !copy);
-  const int64_t chunk = short_pieces ? std::min(kChunk, kNarrowChunk) : kChunk;
+  const int64_t chunk = blocks <= kShortBlocks            ? kShortChunk
+                        : narrow_item || (one_set && !copy) ? kNarrowChunk
+                                                            : kChunk;
   alignas(64) float copied[kChunk * kPanel];
   for (int64_t k0 = 0; k0 < K; k0 += chunk) {
     const int64_t k1 = std::min(K, k0 + chunk);
@@ -149,11 +141,7 @@ void Panels(const float* x, const float* w, int64_t M, int64_t K, int64_t N, int
       const bool last_panel = p + 1 == p1;
       const int64_t next_k0 = last_panel ? k1 : k0;
       const float* next = w + next_k0 * N + (last_panel ? p0 : p + 1) * kPanel;
-      int64_t next_rows = std::min(K, next_k0 + chunk) - next_k0;
-      if (alone) {  // one block, bound by memory: it prefetches its own rows kAheadRows ahead
-        next = wp + (k0 + kAheadRows) * N;
-        next_rows = std::max<int64_t>(0, std::min(k1, K - kAheadRows) - k0);
-      }
+      const int64_t next_rows = std::min(K, next_k0 + chunk) - next_k0;
       const int64_t share = (next_rows + blocks - 1) / blocks;  // next rows each block prefetches
       for (int64_t b = 0, m = 0; b < blocks; ++b) {
         const int64_t rows = spread ? M / blocks + (b < M % blocks) : std::min(kRows, M - m);
@@ -161,7 +149,7 @@ void Panels(const float* x, const float* w, int64_t M, int64_t K, int64_t N, int
         const int64_t prefetch = std::min(share, next_rows - first);
         const bool reads_copy = copy && b > 0;  // the first block copies the piece, the others read the copy
         PanelRows<kRows>(rows, x + m * K, K, reads_copy ? copied : wp + k0 * N, reads_copy ? kPanel : N, k0, k1,
-                         out + m * N + p * kPanel, N, next + first * N, N, prefetch, alone,
+                         out + m * N + p * kPanel, N, next + first * N, N, prefetch,
                          copy && b == 0 ? copied : nullptr);
         m += rows;
       }
