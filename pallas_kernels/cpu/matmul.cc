@@ -326,7 +326,14 @@ inline float SumLanes(Vec v) {
 // projection): out[m, n] = x[m, :] . w[n, :], the weight read row after row where it lies. R rows
 // of x and J rows of w at a time, R x J partial sums in registers along K, summed across their
 // lanes at the end; the J weight rows (a few KB) stay in L1 while every block of x's rows passes.
-constexpr int64_t kDotRows = 2, kDotWeightRows = 6;  // R x J = 12 accumulators of 16 registers
+// R = kDotRows (2 x 6 = 12 accumulators of 16 registers), or with AVX-512 from kWideDotFrom rows
+// R = 4 (24 of 32 registers; faster from 33 rows, slower at 16).
+constexpr int64_t kDotRows = 2, kDotWeightRows = 6;
+#ifdef __AVX512F__
+constexpr int64_t kWideDotFrom = 33;
+#else
+constexpr int64_t kWideDotFrom = 0;  // never: 24 accumulators do not fit 16 registers
+#endif
 constexpr int64_t kDotPrefetchBytes = 24 * 1024;     // most bytes of J weight rows that prefetch the next J
 
 template <int R, int J>
@@ -359,12 +366,13 @@ void DotRest(int64_t rows, const float* x, const float* w, int64_t K, float* out
   DotBlock<R, J>(x, w, K, out, ldo);
 }
 
-// out[:, n0:n1] for every row of x [M, K], w [N, K]. Where J weight rows fit L1 with room to
+// out[:, n0:n1] for every row of x [M, K], w [N, K], R rows of x at a time. Where J weight rows fit L1 with room to
 // spare (kDotPrefetchBytes), each block of x's rows passing them prefetches its share of the next
 // J rows' cache lines into L2, so that memory keeps streaming meanwhile (longer rows are read from
 // L2 by every block anyway: there the prefetch measured slower).
-void DotRows(const float* x, const float* w, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, float* out) {
-  const int64_t blocks = M / kDotRows + M % kDotRows;
+template <int R>
+void DotRowsOf(const float* x, const float* w, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, float* out) {
+  const int64_t blocks = M / R + M % R;
   const int64_t row_bytes = K * static_cast<int64_t>(sizeof(float));
   const bool prefetch = kDotWeightRows * row_bytes <= kDotPrefetchBytes;
   for (int64_t n = n0; n < n1; n += kDotWeightRows) {
@@ -380,15 +388,21 @@ void DotRows(const float* x, const float* w, int64_t M, int64_t K, int64_t N, in
       }
     };
     int64_t m = 0;
-    for (; m + kDotRows <= M; m += kDotRows) {
+    for (; m + R <= M; m += R) {
       prefetch_share();
-      DotRest<kDotRows, kDotWeightRows>(rows, x + m * K, wn, K, out + m * N + n, N);
+      DotRest<R, kDotWeightRows>(rows, x + m * K, wn, K, out + m * N + n, N);
     }
     for (; m < M; ++m) {
       prefetch_share();
       DotRest<1, kDotWeightRows>(rows, x + m * K, wn, K, out + m * N + n, N);
     }
   }
+}
+
+// DotRowsOf with the row block for M rows.
+void DotRows(const float* x, const float* w, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, float* out) {
+  if (kWideDotFrom > 0 && M >= kWideDotFrom) return DotRowsOf<4>(x, w, M, K, N, n0, n1, out);
+  DotRowsOf<kDotRows>(x, w, M, K, N, n0, n1, out);
 }
 
 // out[M, N] = x[M, K] @ w[N, K]^T, the rows of w shared with XLA's intra-op thread pool in runs of
