@@ -6,10 +6,10 @@
 # Runs `scripts/benchmark_throughput.py` with the given flags under `perf record` and sums the
 # samples of its timed run: the seconds the benchmark reports for it, ending at the last C++ matmul
 # sample (the run's last step). Prints CPU-seconds per kind: the C++ matmul (`Panels` and its
-# `PanelLoop`s, which an AVX-512 build keeps apart, `FewRows`, `DotRows`, `DotBlock`), the C++ attention
-# (`Attend*`), XLA's own dots (YNNPACK's `ynn::` kernels), the Python interpreter (libpython), the
-# rest (XLA's other code, the kernel, libc). With both cores busy, a kind's wall-clock share is its
-# CPU-seconds over twice the span.
+# `PanelLoop`s, which an AVX-512 build keeps apart, `FewRows`, `DotRows`, `DotBlock`), the C++
+# attention (`Attend*`), XLA's own dots (YNNPACK's `ynn::` kernels), the Python interpreter
+# (libpython), the rest (XLA's other code, the kernel, libc). With both cores busy, a kind's
+# wall-clock share is its CPU-seconds over twice the span.
 #
 #   bash scripts/profile_cpu_run.sh --workload fixed --num_requests 32
 set -euo pipefail

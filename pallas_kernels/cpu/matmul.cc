@@ -56,7 +56,7 @@ constexpr int64_t kItemPanels = 32;           // most panels per work item (long
 constexpr int64_t kItemsPerWorker = 4;        // work items per thread, where there are enough panels
 constexpr int64_t kFewItemsPerWorker = 2;     // the same for FewRows
 constexpr int64_t kChunk = 4096 / kPanel;     // weight rows per pass of the row blocks (16 KiB of a panel)
-constexpr int64_t kNarrowChunk = 64;          // the same for a narrow work item (kNarrowPanels)
+constexpr int64_t kNarrowChunk = 64;          // the same for a narrow work item (kNarrowPanels) or one L1 set
 constexpr int64_t kNarrowPanels = 8;          // most panels of a narrow work item
 constexpr int64_t kDepth = 8;                 // weight rows per pass of FewRows
 
@@ -118,11 +118,11 @@ void PanelRows(int64_t rows, const float* x, int64_t ldx, const float* piece, in
 // kNarrowPanels panels; in any with kSpreadNarrow) the rows are spread evenly over the blocks where
 // each gets at least kRows - 1 (32 rows: 6, 6, 5, 5, 5, 5; not 6 x 5 and 2): a block of few rows has
 // too few sums to hide the FMA's latency (8 rows: 6 and 2 measured faster than 4 and 4; in narrow
-// items the spread measured slower with AVX2). Where the weight's rows lie a multiple of 4 KiB apart, every row of a piece
-// falls in the same L1 set and they evict each other: with kCopyBlocks blocks or more the first
-// block copies the piece into a contiguous buffer, which the other blocks read. Pieces are
-// kShortChunk rows with at most kShortBlocks blocks, kNarrowChunk in a narrow item or in one L1 set
-// and not copied (measured faster there), else kChunk.
+// items the spread measured slower with AVX2). Where the weight's rows lie a multiple of 4 KiB
+// apart, every row of a piece falls in the same L1 set and they evict each other: with kCopyBlocks
+// blocks or more the first block copies the piece into a contiguous buffer, which the other blocks
+// read. Pieces are kShortChunk rows with at most kShortBlocks blocks, kNarrowChunk in a narrow item
+// or in one L1 set and not copied (measured faster there), else kChunk.
 void Panels(const float* x, const float* w, int64_t M, int64_t K, int64_t N, int64_t p0, int64_t p1, float* out) {
   const int64_t blocks = (M + kRows - 1) / kRows;
   const bool narrow_item = p1 - p0 <= kNarrowPanels;
@@ -327,8 +327,8 @@ inline float SumLanes(Vec v) {
 // of x and J rows of w at a time, R x J partial sums in registers along K, summed across their
 // lanes at the end; the J weight rows (a few KB) stay in L1 while every block of x's rows passes.
 // R = kDotRows (2 x 6 = 12 accumulators of 16 registers), or with AVX-512 from kWideDotFrom rows
-// R = 4 (24 of 32 registers; faster from 33 rows, slower at 16).
-constexpr int64_t kDotRows = 2, kDotWeightRows = 6;
+// R = kWideDotRows (24 of 32 registers; faster from 33 rows, slower at 16).
+constexpr int64_t kDotRows = 2, kWideDotRows = 4, kDotWeightRows = 6;
 #ifdef __AVX512F__
 constexpr int64_t kWideDotFrom = 33;
 #else
@@ -366,10 +366,10 @@ void DotRest(int64_t rows, const float* x, const float* w, int64_t K, float* out
   DotBlock<R, J>(x, w, K, out, ldo);
 }
 
-// out[:, n0:n1] for every row of x [M, K], w [N, K], R rows of x at a time. Where J weight rows fit L1 with room to
-// spare (kDotPrefetchBytes), each block of x's rows passing them prefetches its share of the next
-// J rows' cache lines into L2, so that memory keeps streaming meanwhile (longer rows are read from
-// L2 by every block anyway: there the prefetch measured slower).
+// out[:, n0:n1] for every row of x [M, K], w [N, K], R rows of x at a time. Where J weight rows fit
+// L1 with room to spare (kDotPrefetchBytes), each block of x's rows passing them prefetches its
+// share of the next J rows' cache lines into L2, so that memory keeps streaming meanwhile (longer
+// rows are read from L2 by every block anyway: there the prefetch measured slower).
 template <int R>
 void DotRowsOf(const float* x, const float* w, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, float* out) {
   const int64_t blocks = M / R + M % R;
@@ -401,7 +401,7 @@ void DotRowsOf(const float* x, const float* w, int64_t M, int64_t K, int64_t N, 
 
 // DotRowsOf with the row block for M rows.
 void DotRows(const float* x, const float* w, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, float* out) {
-  if (kWideDotFrom > 0 && M >= kWideDotFrom) return DotRowsOf<4>(x, w, M, K, N, n0, n1, out);
+  if (kWideDotFrom > 0 && M >= kWideDotFrom) return DotRowsOf<kWideDotRows>(x, w, M, K, N, n0, n1, out);
   DotRowsOf<kDotRows>(x, w, M, K, N, n0, n1, out);
 }
 
