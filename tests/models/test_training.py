@@ -14,7 +14,7 @@ import pytest
 
 from conftest import COMMON, hf_greedy, random_prompts
 from jpaged import LLM, SamplingParams
-from test_model_families import FAMILIES, family
+from test_model_families import FAMILIES, RECURRENT, family
 from test_model_families import engine as family_engine
 from test_models_paper import gpt2_dir, opt_dir  # noqa: F401 (fixtures)
 from jpaged import testing
@@ -245,12 +245,15 @@ def test_raw_logprobs_equal_transformers_in_every_family(name, request, tmp_path
     else:
         path, hf_model = request.getfixturevalue(name)
         llm = LLM(path, num_kv_blocks=14, block_size=8, max_model_len=256, max_num_batched_tokens=24)
-    assert_raw_logprobs_equal_transformers(llm, hf_model)
+    # Linear-attention layers: the engine runs the gated delta rule token by token, transformers'
+    # prefill its chunked form; in float32 the two differ by up to ~2e-5 in a logprob (transformers'
+    # own float32 differs from its float64 by up to 8e-6 on this model).
+    assert_raw_logprobs_equal_transformers(llm, hf_model, atol=3e-5 if name in RECURRENT else 1e-5)
 
 
-def assert_raw_logprobs_equal_transformers(llm, hf_model):
+def assert_raw_logprobs_equal_transformers(llm, hf_model, atol=1e-5):
     """Sampled (temperature 1) completions of four prompts behind a cached prefix, in a pool that
-    preempts: their ``logprobs=0`` values and ``score`` equal transformers' within 1e-5."""
+    preempts: their ``logprobs=0`` values and ``score`` equal transformers' within ``atol``."""
     rng = np.random.default_rng(3)
     prompts = random_prompts(rng, [40, 9, 30, 17])
     llm.generate(prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)  # a cached prefix to (not) use
@@ -262,10 +265,10 @@ def assert_raw_logprobs_equal_transformers(llm, hf_model):
     for prompt, completion, out, score in zip(prompts, completions, outs, scores):
         ref = hf_log_softmax(hf_model, prompt + completion)
         expected = [ref[len(prompt) - 1 + i, t] for i, t in enumerate(completion)]
-        np.testing.assert_allclose(score, expected, atol=1e-5)
+        np.testing.assert_allclose(score, expected, atol=atol)
         sampled = [lp[t] for lp, t in zip(out.outputs[0].logprobs, completion)]
         assert all(len(lp) == 1 for lp in out.outputs[0].logprobs)  # logprobs=0: the sampled token's only
-        np.testing.assert_allclose(sampled, expected, atol=1e-5)
+        np.testing.assert_allclose(sampled, expected, atol=atol)
     assert llm.score(prompts[1], completions[1]) == pytest.approx(scores[1], abs=1e-6)
     m = llm.get_metrics()
     assert m["num_free_blocks"] == m["num_total_blocks"]
