@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
@@ -35,6 +36,16 @@ inline Vec Load(const float* p) {
 }
 
 inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
+
+// A spin-wait hint to the core (x86's pause).
+inline void Pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// How long ParallelFor's caller spins for its helpers' last items before it sleeps.
+constexpr int64_t kSpinMicros = 50;
 
 // How many threads run a ParallelFor: the calling thread and pool.num_threads() - 1 helpers, one
 // per core of the pool (the caller is not one of the pool's threads: a helper for every pool thread
@@ -68,6 +79,13 @@ inline void ParallelFor(xla::ffi::ThreadPool& pool, int64_t total, std::function
     pool.Schedule(std::move(task));
   }
   drain();
+  // The helpers' last items end within an item's time: the caller waits for them spinning up to
+  // kSpinMicros before it sleeps, since a sleeping thread resumes only when the kernel wakes it.
+  const auto spin_end = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
+  while (work->done.load(std::memory_order_acquire) != work->total) {
+    for (int i = 0; i < 64; ++i) Pause();
+    if (std::chrono::steady_clock::now() > spin_end) break;
+  }
   std::unique_lock<std::mutex> lock(work->mu);
   work->cv.wait(lock, [&] { return work->done.load() == work->total; });
 }
