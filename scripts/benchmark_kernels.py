@@ -27,8 +27,11 @@ XLA's dot with the weights evicted from the caches before each (as a decode step
 `pallas_kernels.cpu.measure.time_steps`), and against the alternatives XLA offers in the same
 process: the weight stored transposed ``[N, K]`` (``xla_wT``: a layout its GEMM might read without
 re-packing) and bfloat16 weights and rows with float32 results (``xla_bf16``). Each as ms, weight
-GB/s, GFLOP/s and the fraction of the GEMM peak. XLA's own options (``XLA_FLAGS``) are compared by
-running it once per setting: the C++ column is the yardstick in each process.
+GB/s, GFLOP/s and the fraction of the GEMM peak. A model whose output projection is its tied
+embedding table (SmolLM2) also gets its logits: ``jpaged_matmul_t`` on the table as it lies,
+``[vocab, K]``, against XLA's ``x @ table.T``, what the engine's measured dispatch compares. XLA's own
+options (``XLA_FLAGS``) are compared by running it once per setting: the C++ column is the
+yardstick in each process.
 
   python scripts/benchmark_kernels.py --mode=matmul --model=bench-llama --rows=1,2,4,8,16,32,64
   XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=-individual_dot python scripts/benchmark_kernels.py --mode=matmul
@@ -288,10 +291,10 @@ def run_steps():
               f"{t_old / t_new:>7.2f}x {t_cpp * 1e3:>8.2f} {mb:>20} {mf:>20} {diff:>9.1e}", flush=True)
 
 
-def weight_groups(path: str) -> list[tuple[int, tuple]]:
+def weight_groups(path: str) -> tuple[list[tuple[int, tuple]], tuple | None]:
     """(K, widths) of each call a decode step of the model at ``path`` makes: q/k/v, o, gate/up,
-    down, and the output projection (a tied embedding's is left out: it is ``jpaged_matmul_t``'s, on the
-    table as it lies, not this kernel's)."""
+    down, and the output projection; and a tied embedding's table shape ``(vocab, K)`` (None where
+    the output projection is its own weight): its logits are ``jpaged_matmul_t``'s, on the table as it lies."""
     import json
 
     from jpaged.models.model_config import ModelConfig
@@ -300,14 +303,25 @@ def weight_groups(path: str) -> list[tuple[int, tuple]]:
         c = ModelConfig.from_hf(json.load(f))
     h, q, kv, inter = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
     groups = [(h, (q, kv, kv)), (q, (h,)), (h, (inter, inter)), (inter, (h,))]
-    return groups + ([] if c.tie_word_embeddings else [(h, (c.vocab_size,))])
+    if c.tie_word_embeddings:
+        return groups, (c.vocab_size, h)
+    return groups + [(h, (c.vocab_size,))], None
+
+
+def _columns(labels, seconds, flops: float, gbytes: float, peak: float, scales=None) -> str:
+    cols = []
+    for label, t, scale in zip(labels, seconds, scales or [1] * len(labels)):
+        cols.append(f"{label} {t * 1e3:7.3f} ms {gbytes * scale / t:5.1f} GB/s {flops / t / 1e9:6.1f} "
+                    f"GFLOP/s {flops / t / 1e9 / peak:5.1%}")
+    return " | ".join(cols)
 
 
 def run_matmul(peak: float):
     print("cold weights (evicted before each call), the least of 3 runs; ms / weight GB/s / GFLOP/s / % of the "
           "GEMM peak; ratios: time / the C++ kernel's")
     for name in _MODEL.value:
-        for k, widths in weight_groups(model_dir(name, CACHE_DIR)):
+        groups, table = weight_groups(model_dir(name, CACHE_DIR))
+        for k, widths in groups:
             weights = [measure.filled((k, n)) for n in widths]
             transposed = [np.ascontiguousarray(w.T) for w in weights]
             half = [w.astype(jnp.bfloat16) for w in weights]
@@ -323,13 +337,20 @@ def run_matmul(peak: float):
                           3 * size + 1)]
                 seconds = measure.time_steps(steps, args, evict=range(3 * size))
                 flops, gbytes = 2 * rows * k * width, k * width * 4 / 1e9
-                cols = []
-                for label, t, scale in zip(("C++", "xla", "xla_wT", "xla_bf16"), seconds, (1, 1, 1, 0.5)):
-                    cols.append(f"{label} {t * 1e3:7.3f} ms {gbytes * scale / t:5.1f} GB/s {flops / t / 1e9:6.1f} "
-                                f"GFLOP/s {flops / t / 1e9 / peak:5.1%}")
+                cols = _columns(("C++", "xla", "xla_wT", "xla_bf16"), seconds, flops, gbytes, peak, (1, 1, 1, 0.5))
                 ratios = " ".join(f"{t / seconds[0]:.2f}" for t in seconds[1:])
-                print(f"{name} [{rows:2d}, {k}] x [{k}, {'+'.join(map(str, widths))}]: " + " | ".join(cols)
-                      + f" | xla, xla_wT, xla_bf16 / C++: {ratios}", flush=True)
+                print(f"{name} [{rows:2d}, {k}] x [{k}, {'+'.join(map(str, widths))}]: {cols}"
+                      f" | xla, xla_wT, xla_bf16 / C++: {ratios}", flush=True)
+        if table is None:
+            continue
+        vocab, k = table
+        weight = measure.filled(table)
+        for rows in map(int, _ROWS.value):  # the tied logits: jpaged_matmul_t against XLA's x @ table.T
+            steps = [(lambda w, x: cpu_kernels.matmul_t(x, w), 1), (lambda w, x: x @ w.T, 1)]
+            seconds = measure.time_steps(steps, [weight, measure.filled((rows, k), 0.1)], evict=(0,))
+            cols = _columns(("C++", "xla"), seconds, 2 * rows * k * vocab, k * vocab * 4 / 1e9, peak)
+            print(f"{name} [{rows:2d}, {k}] x [{vocab}, {k}]^T (tied logits): {cols}"
+                  f" | xla / C++: {seconds[1] / seconds[0]:.2f}", flush=True)
 
 
 def main(argv):

@@ -326,14 +326,10 @@ inline float SumLanes(Vec v) {
 // projection): out[m, n] = x[m, :] . w[n, :], the weight read row after row where it lies. R rows
 // of x and J rows of w at a time, R x J partial sums in registers along K, summed across their
 // lanes at the end; the J weight rows (a few KB) stay in L1 while every block of x's rows passes.
-// R = kDotRows (2 x 6 = 12 accumulators of 16 registers), or with AVX-512 from kWideDotFrom rows
-// R = kWideDotRows (24 of 32 registers; faster from 33 rows, slower at 16).
-constexpr int64_t kDotRows = 2, kWideDotRows = 4, kDotWeightRows = 6;
-#ifdef __AVX512F__
-constexpr int64_t kWideDotFrom = 33;
-#else
-constexpr int64_t kWideDotFrom = 0;  // never: 24 accumulators do not fit 16 registers
-#endif
+// R x J = kDotRows x kDotWeightRows (12 accumulators of 16 registers), or with AVX-512 from kSquare
+// rows kSquare x kSquare (DotSquare: 16 sums, summed across their lanes all at once).
+constexpr int64_t kDotRows = 2, kDotWeightRows = 6, kSquare = 4;
+constexpr int64_t kDotItemRows = 12;                 // weight rows per work item: a multiple of both J
 constexpr int64_t kDotPrefetchBytes = 24 * 1024;     // most bytes of J weight rows that prefetch the next J
 
 template <int R, int J>
@@ -357,12 +353,53 @@ void DotBlock(const float* x, const float* w, int64_t K, float* out, int64_t ldo
   }
 }
 
-// DotBlock<R, j> for 1 <= j <= J weight rows.
+#ifdef __AVX512F__
+// DotBlock<kSquare, kSquare>: the 16 sums in named registers (an array of them measured spilled),
+// the last K % 16 under a mask, then one transposing lane sum (SumLanes16: ~31 instructions for
+// all 16, where a lane sum each takes ~8) gives row r's 4 results in lanes 4r to 4r + 3.
+void DotSquare(const float* x, const float* w, int64_t K, float* out, int64_t ldo) {
+  __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+  __m512 a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
+  // one step along K: x's 4 rows and w's 4 rows loaded by `load`, 16 multiply-adds
+  const auto step = [&](auto load, int64_t k) __attribute__((always_inline)) {
+    const __m512 x0 = load(x + k), x1 = load(x + K + k), x2 = load(x + 2 * K + k), x3 = load(x + 3 * K + k);
+    __m512 wv = load(w + k);
+    a00 = _mm512_fmadd_ps(x0, wv, a00), a10 = _mm512_fmadd_ps(x1, wv, a10);
+    a20 = _mm512_fmadd_ps(x2, wv, a20), a30 = _mm512_fmadd_ps(x3, wv, a30);
+    wv = load(w + K + k);
+    a01 = _mm512_fmadd_ps(x0, wv, a01), a11 = _mm512_fmadd_ps(x1, wv, a11);
+    a21 = _mm512_fmadd_ps(x2, wv, a21), a31 = _mm512_fmadd_ps(x3, wv, a31);
+    wv = load(w + 2 * K + k);
+    a02 = _mm512_fmadd_ps(x0, wv, a02), a12 = _mm512_fmadd_ps(x1, wv, a12);
+    a22 = _mm512_fmadd_ps(x2, wv, a22), a32 = _mm512_fmadd_ps(x3, wv, a32);
+    wv = load(w + 3 * K + k);
+    a03 = _mm512_fmadd_ps(x0, wv, a03), a13 = _mm512_fmadd_ps(x1, wv, a13);
+    a23 = _mm512_fmadd_ps(x2, wv, a23), a33 = _mm512_fmadd_ps(x3, wv, a33);
+  };
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes) step([](const float* p) { return _mm512_loadu_ps(p); }, k);
+  if (k < K) {  // unmasked loads above: a mask on every step measured 10-20% slower
+    const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1);
+    step([mask](const float* p) { return _mm512_maskz_loadu_ps(mask, p); }, k);
+  }
+  const __m512 acc[16] = {a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33};
+  const __m512 sums = jpaged::SumLanes16(acc);
+  _mm_storeu_ps(out, _mm512_castps512_ps128(sums));
+  _mm_storeu_ps(out + ldo, _mm512_extractf32x4_ps(sums, 1));
+  _mm_storeu_ps(out + 2 * ldo, _mm512_extractf32x4_ps(sums, 2));
+  _mm_storeu_ps(out + 3 * ldo, _mm512_extractf32x4_ps(sums, 3));
+}
+#endif
+
+// DotBlock<R, j> for 1 <= j <= J weight rows (DotSquare where it is a whole kSquare x kSquare).
 template <int R, int J>
 void DotRest(int64_t rows, const float* x, const float* w, int64_t K, float* out, int64_t ldo) {
   if constexpr (J > 1) {
     if (rows < J) return DotRest<R, J - 1>(rows, x, w, K, out, ldo);
   }
+#ifdef __AVX512F__
+  if constexpr (R == kSquare && J == kSquare) return DotSquare(x, w, K, out, ldo);
+#endif
   DotBlock<R, J>(x, w, K, out, ldo);
 }
 
@@ -370,16 +407,16 @@ void DotRest(int64_t rows, const float* x, const float* w, int64_t K, float* out
 // L1 with room to spare (kDotPrefetchBytes), each block of x's rows passing them prefetches its
 // share of the next J rows' cache lines into L2, so that memory keeps streaming meanwhile (longer
 // rows are read from L2 by every block anyway: there the prefetch measured slower).
-template <int R>
+template <int R, int J>
 void DotRowsOf(const float* x, const float* w, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, float* out) {
   const int64_t blocks = M / R + M % R;
   const int64_t row_bytes = K * static_cast<int64_t>(sizeof(float));
-  const bool prefetch = kDotWeightRows * row_bytes <= kDotPrefetchBytes;
-  for (int64_t n = n0; n < n1; n += kDotWeightRows) {
-    const int64_t rows = std::min(kDotWeightRows, n1 - n);
+  const bool prefetch = J * row_bytes <= kDotPrefetchBytes;
+  for (int64_t n = n0; n < n1; n += J) {
+    const int64_t rows = std::min<int64_t>(J, n1 - n);
     const float* wn = w + n * K;
     const char* next = reinterpret_cast<const char*>(wn + rows * K);
-    const int64_t lines = prefetch ? std::min(kDotWeightRows, n1 - n - rows) * row_bytes / 64 : 0;
+    const int64_t lines = prefetch ? std::min<int64_t>(J, n1 - n - rows) * row_bytes / 64 : 0;
     const int64_t share = (lines + blocks - 1) / blocks;
     int64_t line = 0;
     const auto prefetch_share = [&] {
@@ -390,19 +427,21 @@ void DotRowsOf(const float* x, const float* w, int64_t M, int64_t K, int64_t N, 
     int64_t m = 0;
     for (; m + R <= M; m += R) {
       prefetch_share();
-      DotRest<R, kDotWeightRows>(rows, x + m * K, wn, K, out + m * N + n, N);
+      DotRest<R, J>(rows, x + m * K, wn, K, out + m * N + n, N);
     }
     for (; m < M; ++m) {
       prefetch_share();
-      DotRest<1, kDotWeightRows>(rows, x + m * K, wn, K, out + m * N + n, N);
+      DotRest<1, J>(rows, x + m * K, wn, K, out + m * N + n, N);
     }
   }
 }
 
-// DotRowsOf with the row block for M rows.
+// DotRowsOf with the blocks for M rows.
 void DotRows(const float* x, const float* w, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, float* out) {
-  if (kWideDotFrom > 0 && M >= kWideDotFrom) return DotRowsOf<kWideDotRows>(x, w, M, K, N, n0, n1, out);
-  DotRowsOf<kDotRows>(x, w, M, K, N, n0, n1, out);
+#ifdef __AVX512F__
+  if (M >= kSquare) return DotRowsOf<kSquare, kSquare>(x, w, M, K, N, n0, n1, out);
+#endif
+  DotRowsOf<kDotRows, kDotWeightRows>(x, w, M, K, N, n0, n1, out);
 }
 
 // out[M, N] = x[M, K] @ w[N, K]^T, the rows of w shared with XLA's intra-op thread pool in runs of
@@ -414,8 +453,8 @@ ffi::Error MatmulTransposedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, f
     return ffi::Error::InvalidArgument("jpaged_matmul_t: expected x [M, K], w [N, K] and out [M, N]");
   }
   const int64_t M = xd[0], K = xd[1], N = wd[0];
-  const int64_t items = std::max<int64_t>(1, std::min(N / kDotWeightRows, kItemsPerWorker * jpaged::Workers(pool)));
-  const int64_t per_item = ((N + items - 1) / items + kDotWeightRows - 1) / kDotWeightRows * kDotWeightRows;
+  const int64_t items = std::max<int64_t>(1, std::min(N / kDotItemRows, kItemsPerWorker * jpaged::Workers(pool)));
+  const int64_t per_item = ((N + items - 1) / items + kDotItemRows - 1) / kDotItemRows * kDotItemRows;
   const float *xp = x.typed_data(), *wp = w.typed_data();
   float* o = out->typed_data();
   jpaged::ParallelFor(pool, (N + per_item - 1) / per_item, [&](int64_t i) {

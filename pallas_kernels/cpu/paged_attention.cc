@@ -34,10 +34,6 @@
 #include "xla/ffi/api/ffi.h"
 #include "common.h"
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
-
 namespace ffi = xla::ffi;
 using jpaged::ExpNonPositive;
 using jpaged::kLanes;
@@ -165,27 +161,7 @@ void AttendRow(const float* q, const float* k, const float* v, const int32_t* ta
 }
 
 #ifdef __AVX512F__
-// Lane t of the result is the sum of v[t]'s 16 lanes: a transposing reduction tree (16 -> 8 -> 4
-// -> 2 -> 1 vectors), three instructions per pair instead of a horizontal sum per vector.
-inline __m512 SumLanes16(const __m512* v) {
-  __m512 r[8], quad[4], pair[2];
-  for (int i = 0; i < 8; ++i) {  // r[i]: v[2i] in lanes 0-7, v[2i+1] in lanes 8-15 (partial sums)
-    r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  }
-  for (int i = 0; i < 4; ++i) {  // quad[i]: 128-bit chunk c holds v[4i + c]
-    quad[i] = _mm512_add_ps(_mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0x88),
-                            _mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0xDD));
-  }
-  for (int i = 0; i < 2; ++i) {  // pair[i]: chunk c holds v[8i + c] (2 lanes), v[8i + 4 + c] (2 lanes)
-    pair[i] = _mm512_add_ps(_mm512_shuffle_ps(quad[2 * i], quad[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                            _mm512_shuffle_ps(quad[2 * i], quad[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  // Lane 4c + j now holds the sum of v[4j + c]: transpose the 4 x 4 lane grid back.
-  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(pair[0], pair[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                    _mm512_shuffle_ps(pair[0], pair[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
-}
+using jpaged::SumLanes16;
 
 // AttendRow for blocks of 16 tokens and D = 16 * kChunks, in AVX-512 registers: a block's 16 scores
 // for one query head are one vector (SumLanes16), and the head's accumulator row stays in registers

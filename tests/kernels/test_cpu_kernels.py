@@ -234,10 +234,10 @@ def test_matmul_vs_numpy(m, k, n):
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 576, 1000), (2, 7, 13), (5, 64, 6), (3, 100, 37), (64, 96, 130),
-                                   (39, 70, 50)])
+                                   (39, 70, 50), (8, 576, 4000), (4, 33, 9)])
 def test_matmul_with_the_weight_transposed_vs_numpy(m, k, n):
-    """``x @ w.T`` for ``w [N, K]``: blocks of 2 rows (with AVX-512 from 33 rows: 4) x 6 weight rows
-    and their rest, K past the last whole vector."""
+    """``x @ w.T`` for ``w [N, K]``: blocks of 2 rows x 6 weight rows (with AVX-512 from 4 rows: 4 x
+    4, summed across lanes at once) and their rest, K past the last whole vector."""
     rng = np.random.default_rng(m * n)
     x, w = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((n, k)).astype(np.float32)
     out = np.asarray(jax.jit(cpu_kernels.matmul_t)(x, w))
