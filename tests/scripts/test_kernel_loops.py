@@ -14,11 +14,20 @@ from run_script import SCRIPTS
 pytestmark = pytest.mark.skipif(library.compiler() is None, reason="no C++ compiler")
 
 
-def build(name: str, tmp_path) -> str:
-    flags = [f for f in library.FLAGS if f not in ("-shared", "-fPIC")]
-    binary = str(tmp_path / name)
-    subprocess.run([library.compiler(), *flags, "-I", jax.ffi.include_dir(), os.path.join(SCRIPTS, f"{name}.cc"),
-                    "-o", binary, "-lpthread"], check=True, capture_output=True, timeout=300)
+@pytest.fixture(scope="module")
+def build(tmp_path_factory):
+    """Builds scripts/<name>.cc once per module; returns the binary's path."""
+    built = {}
+
+    def binary(name: str) -> str:
+        if name not in built:
+            flags = [f for f in library.FLAGS if f not in ("-shared", "-fPIC")]
+            built[name] = str(tmp_path_factory.mktemp("loops") / name)
+            subprocess.run([library.compiler(), *flags, "-I", jax.ffi.include_dir(),
+                            os.path.join(SCRIPTS, f"{name}.cc"), "-o", built[name], "-lpthread"],
+                           check=True, capture_output=True, timeout=300)
+        return built[name]
+
     return binary
 
 
@@ -26,19 +35,19 @@ def run(binary: str, *args) -> str:
     return subprocess.run([binary, *map(str, args)], check=True, capture_output=True, text=True, timeout=120).stdout
 
 
-def test_attention_loop_matches_its_reference(tmp_path):
-    out = run(build("benchmark_attention_loop", tmp_path), 4, 64, 64)
+def test_attention_loop_matches_its_reference(build):
+    out = run(build("benchmark_attention_loop"), 4, 64, 64)
     assert float(re.search(r"largest difference from the reference: (\S+)", out).group(1)) < 1e-5
     rates = re.findall(r"^(kernel cold|kernel hot|read cold, .*): ([0-9.]+) GB/s$", out, re.M)
     assert len(rates) == 4 and all(float(r) > 0 for _, r in rates), out
 
 
-def test_attention_loop_rejects_a_pool_too_small(tmp_path):
-    result = subprocess.run([build("benchmark_attention_loop", tmp_path), "8", "512", "100"], capture_output=True, text=True)
+def test_attention_loop_rejects_a_pool_too_small(build):
+    result = subprocess.run([build("benchmark_attention_loop"), "8", "512", "100"], capture_output=True, text=True)
     assert result.returncode == 2 and "pool_blocks" in result.stderr
 
 
 @pytest.mark.parametrize("args", [(32, 64, 256, 2), (8, 64, 256, 2, 4, "t")])
-def test_matmul_loop_runs(tmp_path, args):
-    out = run(build("benchmark_matmul_loop", tmp_path), *args)
+def test_matmul_loop_runs(build, args):
+    out = run(build("benchmark_matmul_loop"), *args)
     assert re.search(r"[0-9.]+ GFLOP/s on one core", out), out
