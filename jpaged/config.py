@@ -213,6 +213,9 @@ class EngineConfig:
         "help": "Weight-only quantization: int8 per output channel (made at load time, any checkpoint), or "
                 "gguf (a .gguf file's Q8_0/Q4_0/Q4_1 blocks kept as stored); unset: weights as loaded",
         "choices": QUANTIZATIONS})
+    cpu_packed_weights: bool = field(default=True, metadata={
+        "help": "On the CPU, a float32 model's projections also kept packed panel by panel for the C++ "
+                "matmul, which streams them from memory faster (docs/cpu.md); costs their memory once more"})
     precompile: bool = field(default=False, metadata={
         "help": "Compile every step shape at start, so that none compiles while serving (the server's default)"})
     speculative_config: object = field(default=None, metadata={

@@ -68,6 +68,8 @@ flags.DEFINE_integer("tensor_parallel_size", 1, "Devices per replica (attention 
 flags.DEFINE_integer("data_parallel_size", 1, "Engine replicas")
 # Where the time goes
 flags.DEFINE_integer("num_scheduler_steps", None, "Decode steps per host round trip (decode windows; unset: the engine's default, 8 on the CPU)")
+flags.DEFINE_bool("cpu_packed_weights", True, "On the CPU, packed copies of the projections for the C++ matmul "
+                  "(the engine's default; --nocpu_packed_weights: the weights as they lie)")
 flags.DEFINE_bool("precompile", True, "Compile every step shape before the timed run (start-up time is printed)")
 flags.DEFINE_integer("single_stream", 0, "Then also time one request alone (32 prompt tokens) of this many output tokens")
 flags.DEFINE_bool("profile", False, "Print the per-step breakdown: schedule, prepare, device, post-process")
@@ -85,7 +87,8 @@ def engine_kwargs(allocator: str, sharing: bool = True, kv_cache_dtype: str = "a
                   max_num_seqs=F.max_num_seqs, max_num_batched_tokens=F.max_num_batched_tokens, dtype=F.dtype,
                   enable_prefix_caching=sharing and F.shared_prefix != "none", share_forked_blocks=sharing,
                   tensor_parallel_size=F.tensor_parallel_size, data_parallel_size=F.data_parallel_size,
-                  precompile=F.precompile, num_scheduler_steps=F.num_scheduler_steps)
+                  precompile=F.precompile, num_scheduler_steps=F.num_scheduler_steps,
+                  cpu_packed_weights=F.cpu_packed_weights)
     if F.num_kv_blocks is not None:
         kwargs["num_kv_blocks"] = F.num_kv_blocks
     if F.kv_cache_memory_bytes is not None:

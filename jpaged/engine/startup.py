@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 import pallas_kernels
-from pallas_kernels.cpu.library import cpu_id
+from pallas_kernels.cpu.library import available as cpu_kernels_available, cpu_id
 from jpaged import sharding
 from jpaged.config import DTYPES, CacheConfig, EngineConfig, check_kv_cache_dtype
 from jpaged.core.hybrid_kv_cache_manager import HybridKVCacheManager
@@ -401,11 +401,18 @@ def build(config: EngineConfig, model=None, tokenizer=None, devices=None) -> Eng
     buckets = StepBuckets(sc.max_num_seqs, max_model_len, cc.block_size, backend,
                           num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
                           num_kv_groups=layout.num_groups)
+    platform = mesh.devices.flat[0].platform
+    # a model given in memory (LLM.from_model) is the caller's: no attributes added to it
+    packed = config.cpu_packed_weights and platform == "cpu" and mesh.devices.size == 1 and not in_memory \
+        and cpu_kernels_available()
     runner = ModelRunner(model, pool, buckets, mesh=mesh, dtype=dtype, max_decode_window=sc.num_scheduler_steps,
-                         whole_step=mesh.devices.flat[0].platform in ("tpu", "gpu"), drafter=drafter,
+                         whole_step=platform in ("tpu", "gpu"), drafter=drafter,
                          kv_layout=layout, kv_offload=offload,
                          processed_logprobs=config.logprobs_mode == "processed_logprobs", lora=lora,
-                         weights_shared=in_memory)
+                         weights_shared=in_memory, packed_weights_for_cpu=packed)
+    if runner.packed_bytes:
+        logger.info("packed copies of the projections for the C++ matmul: %.1f MiB (cpu_packed_weights=False "
+                    "saves them)", runner.packed_bytes / 2**20)
     with phase("warm-up (compiling the step shapes)"):
         precompile.warm_up(runner, max_tokens=sc.max_num_batched_tokens, max_seqs=sc.max_num_seqs,
                            precompile=config.precompile, decode_windows=sc.num_scheduler_steps > 1)

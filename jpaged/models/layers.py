@@ -86,14 +86,26 @@ def linear(din, dout, bias, dtype, rngs):
     return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype, dot_general=dot_general, rngs=rngs)
 
 
+class PackedKernel(nnx.Variable):
+    """A linear layer's kernel packed for the C++ matmul (`pallas_kernels.cpu.pack_weight`): a
+    copy made from the kernel, never a parameter (`jpaged.runner.packed_weights`)."""
+
+
 def project(x, *layers):
     """``tuple(layer(x) for layer in layers)``: several linear layers of one input (q, k and v; gate
     and up). Where their matmuls run the C++ few-row kernel, they run as one call (one hand-off to
-    the thread pool for all the weights); layers the loader swapped for quantized ones run alone."""
+    the thread pool for all the weights), from the layers' packed copies where each has one
+    (``packed_kernel``); layers the loader swapped for quantized ones run alone."""
     if all(type(layer) is nnx.Linear for layer in layers):
         kernels = [layer.kernel[...] for layer in layers]
-        if cpu.runs("matmul", x, *kernels):
+        packed = [getattr(layer, "packed_kernel", None) for layer in layers]
+        outs = None
+        if all(p is not None for p in packed):  # measured as it would run: from the copies
+            if cpu.runs("matmul_packed", x, *kernels):
+                outs = cpu.matmuls_packed(x, [p[...] for p in packed])
+        elif cpu.runs("matmul", x, *kernels):
             outs = cpu.matmuls(x, kernels)
+        if outs is not None:
             return tuple(out if layer.bias is None else out + layer.bias[...] for out, layer in zip(outs, layers))
     return tuple(layer(x) for layer in layers)
 

@@ -62,8 +62,8 @@ class LlamaAttention(nnx.Module):
             out, kv_cache = self.attn(q, k, v, kv_cache, md, sinks=self.sinks[...])
         out = out.reshape(t, -1)
         if self.lora is None:
-            return self.o_proj(out), kv_cache
-        return self.lora.add(("o_proj",), out, (self.o_proj(out),), md.lora)[0], kv_cache
+            return project(out, self.o_proj)[0], kv_cache
+        return self.lora.add(("o_proj",), out, project(out, self.o_proj), md.lora)[0], kv_cache
 
     @staticmethod
     def hf_weight_map(c: ModelConfig, path: tuple, prefix: str, qk_norm: bool):
@@ -94,10 +94,10 @@ class LlamaMLP(nnx.Module):
         """``lora_inputs``: the step's `LoRAInputs` (None: no adapters)."""
         gate, up = project(x, self.gate_proj, self.up_proj)
         if self.lora is None or lora_inputs is None:
-            return self.down_proj(self.act(gate) * up)
+            return project(self.act(gate) * up, self.down_proj)[0]
         gate, up = self.lora.add(("gate_proj", "up_proj"), x, (gate, up), lora_inputs)
         h = self.act(gate) * up
-        return self.lora.add(("down_proj",), h, (self.down_proj(h),), lora_inputs)[0]
+        return self.lora.add(("down_proj",), h, project(h, self.down_proj), lora_inputs)[0]
 
     @staticmethod
     def hf_weight_map(path: tuple, prefix: str):

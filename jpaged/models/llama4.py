@@ -102,7 +102,7 @@ class Llama4Attention(LlamaAttention):
         if self.temperature:
             q = (q * q_scale[:, None, None]).astype(q.dtype)
         out, kv_cache = self.attn(q, k, v, kv_cache, md)
-        return self.o_proj(out.reshape(t, -1)), kv_cache
+        return project(out.reshape(t, -1), self.o_proj)[0], kv_cache
 
 
 class Llama4MoE(SparseMoE):

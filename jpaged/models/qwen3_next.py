@@ -73,7 +73,7 @@ class Qwen3NextAttention(LlamaAttention):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         out, kv_cache = self.attn(q, k, v, kv_cache, md)
         out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
-        return self.o_proj(out.reshape(t, -1)), kv_cache
+        return project(out.reshape(t, -1), self.o_proj)[0], kv_cache
 
 
 class SharedExpertMoE(SparseMoE):

@@ -28,6 +28,7 @@ from jpaged.core.kv_cache_layout import KVCacheLayout, kv_cache_layout
 from jpaged.core.scheduler_output import SchedulerOutput, StepResult
 from jpaged.loading.weight_update import WeightTargets, host_copies
 from jpaged.models.attention import attention_backend_of, make_attention_metadata
+from jpaged.runner import packed_weights
 from jpaged.runner.background_compile import BackgroundCompiler
 from jpaged.runner.buckets import StepBuckets
 from jpaged.runner.decode_window import decode_window
@@ -84,7 +85,7 @@ class ModelRunner:
     def __init__(self, model, kv_pool: KVPool, buckets: StepBuckets, *, mesh, dtype, max_decode_window: int = 1,
                  whole_step: bool = False, drafter=None, kv_layout: KVCacheLayout | None = None,
                  kv_offload=None, processed_logprobs: bool = False,
-                 lora=None, weights_shared: bool = False):
+                 lora=None, weights_shared: bool = False, packed_weights_for_cpu: bool = False):
         """``dtype``: the model's activations. ``whole_step``: one jitted function per step
         (accelerators), else layer pieces where the model has them. ``max_decode_window``: the most
         decode steps one window runs. ``drafter``: a `DraftModelProposer` (speculative decoding
@@ -94,7 +95,9 @@ class ModelRunner:
         sampled from (``logprobs_mode="processed_logprobs"``), else the model's. ``lora``: the
         `LoRAManager` of a model served with adapters (its slot stacks attached), whose newly
         assigned slots each step writes first. ``weights_shared``: the model's buffers are the
-        caller's too (``LLM.from_model``), so a weight update never donates them."""
+        caller's too (``LLM.from_model``), so a weight update never donates them.
+        ``packed_weights_for_cpu``: the projections get packed copies for the C++ CPU matmul
+        (`jpaged.runner.packed_weights`), made again from the kernels whenever they change."""
         self.processed_logprobs = processed_logprobs
         self.config, self.dtype = model.config, dtype
         self.kv_offload = kv_offload
@@ -105,6 +108,7 @@ class ModelRunner:
         self.kv_layout = kv_layout or kv_cache_layout([None] * model.config.num_layers)
         self.counter = kv_pool.counter
         self.attention_backend = attention_backend_of(model)
+        self.packed_bytes = packed_weights.attach(model) if packed_weights_for_cpu else 0
         graphdef, state = nnx.split(model)
         self.graphdef = graphdef
         self.state = sharding.shard_state(state, mesh, expert_parallel=getattr(model, "expert_parallel", False))
@@ -170,7 +174,16 @@ class ModelRunner:
             return
         flat = dict(zip(self.weight_targets.paths, jax.tree.leaves(self.state)))
         flat.update(leaves)
-        self._set_state(self.weight_targets.state(flat))
+        self._set_state(self.weight_targets.state(self._packed(flat, changed=set(leaves))))
+
+    def _packed(self, leaves: dict, changed=None) -> dict:
+        """``leaves`` with the packed copies of the kernels in ``changed`` (None: all) made again
+        (the copies this runner attached, or that a model given to it had already)."""
+        paths = self.weight_targets.paths
+        if not any(map(packed_weights.is_packed, paths)):
+            return leaves
+        return {p: x if x is leaves.get(p) else self.weight_targets.place(p, x, "packed weight")
+                for p, x in packed_weights.refresh(leaves, paths, changed).items()}
 
     def _set_state(self, state) -> None:
         self.state = state
@@ -182,8 +195,9 @@ class ModelRunner:
         """Frees the KV pools (and their host swap buffers) and the parameters' device buffers:
         level 1 keeps a host copy of every leaf, level 2 only of the non-parameter leaves (the next
         `load_weights` brings the parameters)."""
-        targets = self.weight_targets
-        keep = [p for p in targets.paths if level == 1 or p not in targets.param_paths]
+        targets = self.weight_targets  # packed copies are not kept: made again at wake-up
+        keep = [p for p in targets.paths if (level == 1 or p not in targets.param_paths)
+                and not packed_weights.is_packed(p)]
         flat = dict(zip(targets.paths, jax.tree.leaves(self.state)))
         self.sleeping_leaves = dict(zip(keep, host_copies([flat[p] for p in keep])))
         self.state = None
@@ -198,11 +212,11 @@ class ModelRunner:
     def wake_up(self) -> None:
         """Puts the parameters back on their shardings and makes new (empty) KV pools."""
         targets, leaves = self.weight_targets, self.sleeping_leaves
-        missing = [p for p in targets.paths if p not in leaves]
+        missing = [p for p in targets.paths if p not in leaves and not packed_weights.is_packed(p)]
         if missing:
             raise ValueError("wake_up: the weights were dropped by sleep(level=2); call update_weights(weights) "
                              f"first (missing e.g. {'.'.join(map(str, missing[0]))})")
-        self._set_state(targets.state(targets.place_all(leaves)))
+        self._set_state(targets.state(self._packed(targets.place_all(leaves))))
         self.sleeping_leaves = None
         if self.drafter is not None:
             self.drafter.wake_up()

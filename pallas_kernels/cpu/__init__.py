@@ -3,6 +3,8 @@ matmuls, segmented LoRA deltas. `runs` decides where they serve; `library` build
 
 from pallas_kernels.cpu.dispatch import MATMUL_ROWS, runs
 from pallas_kernels.cpu.library import available
-from pallas_kernels.cpu.ops import greedy, lora, matmul, matmul_t, matmuls, paged_attention, paged_decode
+from pallas_kernels.cpu.ops import (PACKED_PANEL, greedy, lora, matmul, matmul_t, matmuls, matmuls_packed, pack_weight,
+                                    paged_attention, paged_decode)
 
-__all__ = ["MATMUL_ROWS", "available", "greedy", "lora", "matmul", "matmul_t", "matmuls", "paged_attention", "paged_decode", "runs"]
+__all__ = ["MATMUL_ROWS", "PACKED_PANEL", "available", "greedy", "lora", "matmul", "matmul_t", "matmuls", "matmuls_packed",
+           "pack_weight", "paged_attention", "paged_decode", "runs"]

@@ -24,7 +24,7 @@ SOURCES = [os.path.join(CPU_DIR, name) for name in ("paged_attention.cc", "greed
 HEADERS = [os.path.join(CPU_DIR, "common.h")]
 TARGETS = {"jpaged_paged_attention": "JpagedPagedAttention", "jpaged_greedy": "JpagedGreedy",
            "jpaged_matmul": "JpagedMatmul", "jpaged_matmul_t": "JpagedMatmulTransposed",
-           "jpaged_lora": "JpagedLora", "jpaged_probe": "JpagedProbe"}  # custom call name: its handler's symbol
+           "jpaged_matmul_packed": "JpagedMatmulPacked", "jpaged_lora": "JpagedLora", "jpaged_probe": "JpagedProbe"}  # custom call name: its handler's symbol
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-ffast-math",
          "-fno-finite-math-only", "-std=c++17", "-shared", "-fPIC"]
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "cpu_kernels")

@@ -315,6 +315,87 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
   return ffi::Error::Success();
 }
 
+// Columns per panel of a packed weight, [N / kPackedPanel, K, kPackedPanel] (pallas_kernels/cpu/
+// ops.py packs it): a multiple of every instruction set's kPanel.
+constexpr int64_t kPackedPanel = 64;
+static_assert(kPackedPanel % kPanel == 0, "a packed panel holds whole panels");
+
+// Panels [p0, p1) of a packed weight w [P, K, kPackedPanel] for every row, in memory order: each
+// panel from its first row to its last, a piece (chunk rows) at a time, the next piece (the next
+// rows of memory, into the next panel at a panel's end) prefetched into L2 by the row blocks, each
+// its share, as Panels does. Where kPanel is narrower than a packed panel, each piece is passed
+// once per kPanel columns (ldw kPackedPanel). Sums in the same order as Panels: the same results.
+void PackedPanels(const float* x, const float* w, int64_t M, int64_t K, int64_t N, int64_t p0, int64_t p1,
+                  float* out) {
+  const int64_t blocks = (M + kRows - 1) / kRows;
+  const bool spread = M >= (kRows - 1) * blocks;
+  const int64_t chunk = blocks <= kShortBlocks ? kShortChunk : kNarrowChunk;
+  const float* end = w + p1 * K * kPackedPanel;
+  for (int64_t p = p0; p < p1; ++p) {
+    for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+      const int64_t k1 = std::min(K, k0 + chunk);
+      const float* piece = w + (p * K + k0) * kPackedPanel;
+      const float* next = piece + (k1 - k0) * kPackedPanel;
+      const int64_t next_rows = std::min<int64_t>(chunk, (end - next) / kPackedPanel);
+      const int64_t share = (next_rows + blocks - 1) / blocks;  // next rows each block prefetches
+      for (int64_t c = 0; c < kPackedPanel; c += kPanel) {
+        for (int64_t b = 0, m = 0; b < blocks; ++b) {
+          const int64_t rows = spread ? M / blocks + (b < M % blocks) : std::min(kRows, M - m);
+          const int64_t first = std::min(next_rows, b * share);
+          PanelRows<kRows>(rows, x + m * K, K, piece + c, kPackedPanel, k0, k1, out + m * N + p * kPackedPanel + c, N,
+                           next + first * kPackedPanel + c, kPackedPanel, std::min(share, next_rows - first), nullptr);
+          m += rows;
+        }
+      }
+    }
+  }
+}
+
+// out_i[M, N_i] = x[M, K] @ w_i for weights packed [N_i / kPackedPanel, K, kPackedPanel]: MatmulImpl
+// for packed weights, the work items runs of neighbouring packed panels (contiguous memory).
+ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs weights,
+                            ffi::RemainingRets outs) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2 || weights.size() == 0 || weights.size() != outs.size()) {
+    return ffi::Error::InvalidArgument("jpaged_matmul_packed: expected x [M, K] and one output per weight");
+  }
+  const int64_t M = xd[0], K = xd[1];
+  struct Weight {
+    const float* w;
+    float* out;
+    int64_t panels;
+  };
+  std::vector<Weight> ws;
+  int64_t total_panels = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const auto w = weights.get<ffi::Buffer<ffi::F32>>(i);
+    auto out = outs.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w.has_value() || !out.has_value() || w->dimensions().size() != 3 || w->dimensions()[1] != K ||
+        w->dimensions()[2] != kPackedPanel || (*out)->dimensions().size() != 2 || (*out)->dimensions()[0] != M ||
+        (*out)->dimensions()[1] != w->dimensions()[0] * kPackedPanel) {
+      return ffi::Error::InvalidArgument(
+          "jpaged_matmul_packed: expected float32 weights [N / 64, K, 64] and outputs [M, N]");
+    }
+    ws.push_back({w->typed_data(), (*out)->typed_data(), w->dimensions()[0]});
+    total_panels += ws.back().panels;
+  }
+  const int64_t target = kItemsPerWorker * jpaged::Workers(pool);
+  const int64_t per_item = std::clamp<int64_t>(total_panels / target, 1, kItemPanels * kPanel / kPackedPanel);
+  struct Item {
+    int64_t weight, p0, p1;  // packed panels [p0, p1)
+  };
+  std::vector<Item> items;
+  for (int64_t i = 0; i < static_cast<int64_t>(ws.size()); ++i) {
+    for (int64_t p = 0; p < ws[i].panels; p += per_item) items.push_back({i, p, std::min(ws[i].panels, p + per_item)});
+  }
+  const float* xp = x.typed_data();
+  jpaged::ParallelFor(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
+    const Weight& w = ws[items[i].weight];
+    PackedPanels(xp, w.w, M, K, w.panels * kPackedPanel, items[i].p0, items[i].p1, w.out);
+  });
+  return ffi::Error::Success();
+}
+
 // The sum of v's lanes.
 inline float SumLanes(Vec v) {
   float sum = 0.f;
@@ -470,6 +551,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedMatmul, MatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .RemainingArgs()                 // weights
+                                  .RemainingRets());               // one output per weight
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedMatmulPacked, MatmulPackedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .RemainingArgs()                 // packed weights
                                   .RemainingRets());               // one output per weight
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedMatmulTransposed, MatmulTransposedImpl,

@@ -241,13 +241,14 @@ def filled(shape, scale=0.01):
 
 
 # ------------------------------------------------------------------------------------------
-def matmul(k: int, widths: tuple, rows: int) -> bool:
-    """Whether the C++ matmul serves ``x [rows, k] @ w_i [k, widths[i]]`` (one call)."""
-    group = f"matmul [{k}] x [{'+'.join(map(str, widths))}]"
+def matmul(k: int, widths: tuple, rows: int, packed: bool = False) -> bool:
+    """Whether the C++ matmul serves ``x [rows, k] @ w_i [k, widths[i]]`` (one call); ``packed``:
+    from the weights' packed copies (`ops.matmuls_packed`)."""
+    group = f"matmul{' packed' if packed else ''} [{k}] x [{'+'.join(map(str, widths))}]"
     bounds = MATMUL_ROWS[:1] if rows <= MATMUL_ROWS[0] else MATMUL_ROWS[1:]
     batch = [f"{group} rows<={b}" for b in bounds]
     return _decide(group, batch, f"{group} rows<={row_class(rows, MATMUL_ROWS)}",
-                   lambda: _measure_matmul(k, widths, bounds, batch))
+                   lambda: _measure_matmul(k, widths, bounds, batch, packed=packed))
 
 
 def matmul_t(k: int, n: int, rows: int) -> bool:
@@ -259,19 +260,23 @@ def matmul_t(k: int, n: int, rows: int) -> bool:
                    lambda: _measure_matmul(k, (n,), bounds, batch, transposed=True))
 
 
-def _measure_matmul(k, widths, bounds, keys, transposed=False):
-    args = [filled((n, k) if transposed else (k, n)) for n in widths] + [filled((b, k), 0.1) for b in bounds]
+def _measure_matmul(k, widths, bounds, keys, transposed=False, packed=False):
+    args = [filled((n, k) if transposed else (k, n)) for n in widths]
     weights = list(range(len(widths)))
+    copies = [len(args) + j for j in weights] if packed else weights  # what the C++ kernel reads
+    args += [filled((n // ops.PACKED_PANEL, k, ops.PACKED_PANEL)) for n in widths] if packed else []
+    args += [filled((b, k), 0.1) for b in bounds]
     steps = []
     for i in range(len(bounds)):
-        x = len(widths) + i
+        x = len(args) - len(bounds) + i
         if transposed:
             steps.append((lambda *a, x=x: ops.matmul_t(a[x], a[0]), x))
             steps.append((lambda *a, x=x: a[x] @ a[0].T, x))
         else:
-            steps.append((lambda *a, x=x: ops.matmuls(a[x], [a[j] for j in weights]), x))
+            kernel = ops.matmuls_packed if packed else ops.matmuls
+            steps.append((lambda *a, x=x, kernel=kernel: kernel(a[x], [a[j] for j in copies]), x))
             steps.append((lambda *a, x=x: [a[x] @ a[j] for j in weights], x))
-    runs = time_runs(steps, args, evict=weights)
+    runs = time_runs(steps, args, evict=sorted(set(weights) | set(copies)))
     return {key: (runs[2 * i], runs[2 * i + 1]) for i, key in enumerate(keys)}
 
 

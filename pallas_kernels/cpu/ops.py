@@ -104,6 +104,28 @@ def _matmul_t_backward(saved, grad):
 
 matmul_t.defvjp(_matmul_t_forward, _matmul_t_backward)
 
+PACKED_PANEL = 64  # columns per panel of a packed weight (matmul.cc's kPackedPanel)
+
+
+def pack_weight(w):
+    """``w [K, N]`` packed panel by panel for `matmuls_packed`: ``[N / 64, K, 64]``, panel ``p``
+    holding columns ``64p .. 64p + 63`` row after row (``N`` a multiple of 64)."""
+    k, n = w.shape
+    if n % PACKED_PANEL:
+        raise ValueError(f"pack_weight: the weight's {n} columns are not a multiple of {PACKED_PANEL}")
+    return jnp.transpose(jnp.reshape(w, (k, n // PACKED_PANEL, PACKED_PANEL)), (1, 0, 2))
+
+
+def matmuls_packed(x, packed):
+    """`matmuls` for weights packed by `pack_weight`: ``tuple(x @ w for w in weights)`` from
+    ``x [M, K]`` and each ``pack_weight(w) [N_i / 64, K, 64]``, bit for bit the same sums. Each work
+    item then streams contiguous memory, which the CPU fetches from memory faster than the same
+    bytes spread over every row of ``w`` (docs/cpu.md). Inference only (no gradient)."""
+    _require()
+    call = jax.ffi.ffi_call("jpaged_matmul_packed", [
+        jax.ShapeDtypeStruct((x.shape[0], w.shape[0] * w.shape[2]), jnp.float32) for w in packed])
+    return tuple(call(x, *packed))
+
 
 def lora(x, slots, factors):
     """``tuple(x[t] @ a[slots[t]] @ b[slots[t]] for (a, b) in factors)``, zero rows where

@@ -278,6 +278,32 @@ def test_matmuls_of_several_weights_in_one_call(rows):
         np.testing.assert_allclose(np.asarray(out), x.astype(np.float64) @ w, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("m,k,ns", [(1, 64, (64,)), (5, 100, (128, 64)), (7, 576, (576, 192, 192)),
+                                    (32, 96, (256, 64)), (64, 33, (192,)), (40, 1536, (576,))])
+def test_packed_weights_give_the_same_sums(m, k, ns):
+    """`matmuls_packed` on `pack_weight`'s copies ``[N / 64, K, 64]``: x @ w for each weight in one
+    call, bit for bit the sums of `matmuls` where both run the panel loop (more rows than FewRows
+    takes, which only AVX2 builds have: up to 6)."""
+    rng = np.random.default_rng(m)
+    x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
+    ws = [jnp.asarray(rng.standard_normal((k, n)).astype(np.float32)) for n in ns]
+    packed = [cpu_kernels.pack_weight(w) for w in ws]
+    assert [p.shape for p in packed] == [(n // 64, k, 64) for n in ns]
+    last = ns[0] // 64 - 1  # the last panel's row 3: columns 64 * last ... of the weight's row 3
+    np.testing.assert_array_equal(np.asarray(packed[0][last, 3]), np.asarray(ws[0][3, 64 * last:]))
+    assert jax.jit(cpu_kernels.matmuls_packed).lower(x, packed).as_text().count("jpaged_matmul_packed") == 1
+    outs, plain = jax.jit(cpu_kernels.matmuls_packed)(x, packed), jax.jit(cpu_kernels.matmuls)(x, ws)
+    for out, same, w in zip(outs, plain, ws):
+        np.testing.assert_allclose(np.asarray(out), np.asarray(x, np.float64) @ np.asarray(w), rtol=1e-4, atol=1e-3)
+        if m > 6:
+            np.testing.assert_array_equal(np.asarray(out), np.asarray(same))
+
+
+def test_pack_weight_needs_whole_panels():
+    with pytest.raises(ValueError, match="100 columns are not a multiple of 64"):
+        cpu_kernels.pack_weight(jnp.ones((8, 100), jnp.float32))
+
+
 def test_linear_layers_use_the_matmul_for_few_rows_only(forced_on):
     """`layers.dot_general`: the C++ matmul for a decode step's rows, XLA's dot for a prompt's, and
     for anything that is not a float32 [M, K] @ [K, N]; the same numbers either way."""
@@ -315,6 +341,15 @@ def test_projections_of_one_input_share_one_call(forced_on):
         for out, layer in zip(run(x, *qkv), qkv):
             np.testing.assert_allclose(np.asarray(out), np.asarray(x @ layer.kernel[...] + layer.bias[...]),
                                        rtol=1e-5, atol=1e-5)
+
+    wide = [layers.linear(64, n, True, jnp.float32, rngs) for n in (64, 128)]
+    for layer in wide:  # packed copies (`jpaged.runner.packed_weights`): the packed call, the same sums
+        layer.packed_kernel = layers.PackedKernel(cpu_kernels.pack_weight(layer.kernel[...]))
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((7, 64)).astype(np.float32))
+    assert jax.jit(lambda x: layers.project(x, *wide)).lower(x).as_text().count("jpaged_matmul_packed") == 1
+    for out, layer in zip(run(x, *wide), wide):
+        np.testing.assert_allclose(np.asarray(out), np.asarray(x @ layer.kernel[...] + layer.bias[...]),
+                                   rtol=1e-5, atol=1e-5)
 
     class Scaled(nnx.Module):  # stands for a quantized layer the loader swapped in
         def __init__(self, inner):
@@ -475,6 +510,23 @@ def injected(monkeypatch, *runs_per_class):
 MATMUL_KEYS = [f"matmul [64] x [96+32] rows<={b}" for b in (8, 32, 64)]
 NOISY = [((1.0, 2.0, 1.9), (1.5, 1.6, 3.0))] * 3  # C++ looks faster by its one lucky repeat
 QUIET = [((2.0, 2.04, 2.02), (1.5, 1.52, 1.51))] * 3  # XLA is faster
+
+
+def test_packed_copies_are_measured_as_they_run(fresh_choices, monkeypatch):
+    """``runs("matmul_packed", x, *weights)`` times the packed kernel on packed copies against XLA's
+    dots on the weights, under a group of its own beside the plain matmul's."""
+    import json
+    monkeypatch.setattr(measure, "busy", lambda: "")
+    monkeypatch.setattr(measure, "SPREAD", float("inf"))
+    timed = []
+    time_runs = measure.time_runs
+    monkeypatch.setattr(measure, "time_runs", lambda steps, args, evict=(): timed.append(
+        [tuple(args[j].shape) for j in evict]) or time_runs(steps, args, evict))
+    x, w = jnp.ones((20, 64), jnp.float32), jnp.ones((64, 128), jnp.float32)
+    jax.jit(lambda x, w: cpu_kernels.runs("matmul_packed", x, w) and x).lower(x, w)  # measured while traced
+    assert timed == [[(64, 128), (2, 64, 64)]]  # the weight and its packed copy, both evicted
+    saved = json.loads(fresh_choices.read_text())[measure.context()]
+    assert sorted(saved) == [f"matmul packed [64] x [128] rows<={b}" for b in (32, 64, 8)]
 
 
 def test_a_disturbed_measurement_is_provisional_until_a_quiet_one(fresh_choices, monkeypatch, caplog):

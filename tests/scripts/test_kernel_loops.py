@@ -47,7 +47,13 @@ def test_attention_loop_rejects_a_pool_too_small(build):
     assert result.returncode == 2 and "pool_blocks" in result.stderr
 
 
-@pytest.mark.parametrize("args", [(32, 64, 256, 2), (8, 64, 256, 2, 4, "t")])
+@pytest.mark.parametrize("args", [(32, 64, 256, 2), (8, 64, 256, 2, 4, "t"), (32, 64, 256, 2, 1, "p", 2)])
 def test_matmul_loop_runs(build, args):
     out = run(build("benchmark_matmul_loop"), *args)
-    assert re.search(r"[0-9.]+ GFLOP/s on one core", out), out
+    assert re.search(r"least [0-9.]+ ms \([0-9.]+ GFLOP/s\), median [0-9.]+ ms \([0-9.]+ GFLOP/s\)", out), out
+
+
+def test_matmul_loop_rejects_a_packed_width_not_whole_panels(build):
+    result = subprocess.run([build("benchmark_matmul_loop"), "32", "64", "100", "1", "1", "p"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "multiple of 64 packed" in result.stderr
