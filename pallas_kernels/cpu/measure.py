@@ -42,7 +42,7 @@ import numpy as np
 
 from pallas_kernels.cpu import library, ops
 
-MATMUL_ROWS = (1, 8, 32, 64)  # matmul row classes: rows up to each bound
+MATMUL_ROWS = (1, 8, 32, 64, 128, 256)  # matmul row classes: rows up to each bound
 GREEDY_ROWS = (16, 256)  # greedy row classes (more rows: the last)
 MARGIN = 0.95  # the C++ kernel serves where it takes at most this fraction of XLA's time
 TIMED_RUNS = 3  # runs of a measurement program after its warm-up (fewer past BUDGET_SECONDS, never under 2)

@@ -468,7 +468,7 @@ def test_the_measured_choice_is_kept_beside_the_library_and_reused(fresh_choices
     with jpaged_log(caplog):
         first = measure.matmul(64, (96, 32), 5)
     saved = json.loads(fresh_choices.read_text())[measure.context()]
-    assert sorted(saved) == [f"matmul [64] x [96+32] rows<={b}" for b in (32, 64, 8)]
+    assert sorted(saved) == sorted(f"matmul [64] x [96+32] rows<={b}" for b in measure.MATMUL_ROWS[1:])
     assert all(e["cpp_ms"] > 0 and e["xla_ms"] > 0 and e["cpp"] == (e["cpp_ms"] <= measure.MARGIN * e["xla_ms"])
                for e in saved.values())
     assert saved["matmul [64] x [96+32] rows<=8"]["cpp"] == first
@@ -507,9 +507,10 @@ def injected(monkeypatch, *runs_per_class):
     return taken
 
 
-MATMUL_KEYS = [f"matmul [64] x [96+32] rows<={b}" for b in (8, 32, 64)]
-NOISY = [((1.0, 2.0, 1.9), (1.5, 1.6, 3.0))] * 3  # C++ looks faster by its one lucky repeat
-QUIET = [((2.0, 2.04, 2.02), (1.5, 1.52, 1.51))] * 3  # XLA is faster
+CLASSES = measure.MATMUL_ROWS[1:]  # the row classes measured together
+MATMUL_KEYS = [f"matmul [64] x [96+32] rows<={b}" for b in CLASSES]
+NOISY = [((1.0, 2.0, 1.9), (1.5, 1.6, 3.0))] * len(CLASSES)  # C++ looks faster by its one lucky repeat
+QUIET = [((2.0, 2.04, 2.02), (1.5, 1.52, 1.51))] * len(CLASSES)  # XLA is faster
 
 
 def test_packed_copies_are_measured_as_they_run(fresh_choices, monkeypatch):
@@ -526,7 +527,7 @@ def test_packed_copies_are_measured_as_they_run(fresh_choices, monkeypatch):
     jax.jit(lambda x, w: cpu_kernels.runs("matmul_packed", x, w) and x).lower(x, w)  # measured while traced
     assert timed == [[(64, 128), (2, 64, 64)]]  # the weight and its packed copy, both evicted
     saved = json.loads(fresh_choices.read_text())[measure.context()]
-    assert sorted(saved) == [f"matmul packed [64] x [128] rows<={b}" for b in (32, 64, 8)]
+    assert sorted(saved) == sorted(f"matmul packed [64] x [128] rows<={b}" for b in measure.MATMUL_ROWS[1:])
 
 
 def test_a_disturbed_measurement_is_provisional_until_a_quiet_one(fresh_choices, monkeypatch, caplog):
@@ -558,8 +559,8 @@ def test_a_busy_machine_decides_only_after_repeated_measurements(fresh_choices, 
     `measure.MAX_MEASUREMENTS` measurements. A noisy but clear margin decides at once."""
     import json
     monkeypatch.setattr(measure, "load_average", lambda: 3.0 * measure.usable_cores())
-    busy_cpp = [((1.0, 1.01, 1.0), (1.5, 1.5, 1.52))] * 3
-    busy_xla = [((2.4, 2.4, 2.5), (1.2, 1.21, 1.2))] * 3
+    busy_cpp = [((1.0, 1.01, 1.0), (1.5, 1.5, 1.52))] * len(CLASSES)
+    busy_xla = [((2.4, 2.4, 2.5), (1.2, 1.21, 1.2))] * len(CLASSES)
     taken = injected(monkeypatch, busy_cpp, busy_xla, busy_cpp, QUIET)
     for start in range(measure.MAX_MEASUREMENTS):
         new_start()
