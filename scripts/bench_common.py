@@ -124,19 +124,23 @@ def cpu_model_and_isa() -> tuple[str, str]:
 def gemm_peak_gflops(n: int = 2048, runs: int = 5) -> float:
     """float32 GFLOP/s of an ``n``^3 matmul in XLA, the best of ``runs`` after a warm-up: the
     machine's practical compute peak (XLA's GEMM on every core)."""
-    import time
-
     import jax.numpy as jnp
 
     a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), np.float32))
-    matmul = jax.jit(lambda a, b: a @ b)
-    matmul(a, a).block_until_ready()
+    return 2 * n ** 3 / best_seconds(jax.jit(lambda a, b: a @ b), (a, a), runs) / 1e9
+
+
+def best_seconds(fn, args, runs: int) -> float:
+    """The least time of ``runs`` calls of ``fn(*args)`` after one to warm up."""
+    import time
+
+    fn(*args).block_until_ready()
     best = float("inf")
     for _ in range(runs):
         start = time.perf_counter()
-        matmul(a, a).block_until_ready()
+        fn(*args).block_until_ready()
         best = min(best, time.perf_counter() - start)
-    return 2 * n ** 3 / best / 1e9
+    return best
 
 
 def describe_machine() -> float:
@@ -151,12 +155,46 @@ def describe_machine() -> float:
     return peak
 
 
+def memory_bandwidth_gbs(mib: int = 1024, runs: int = 5) -> float:
+    """GB/s at which XLA reads a float32 matrix of ``mib`` MiB (more than any cache holds) through a
+    matrix-vector product (XLA's own code for one row, on every core; its dot of 8 rows measured at
+    a quarter of that), the best of ``runs`` after a warm-up: the rate at which a step can stream its
+    weights and KV cache from memory."""
+    import jax.numpy as jnp
+
+    k = 4096
+    w = jnp.full((k, mib * 2 ** 20 // (4 * k)), 0.5, jnp.float32)
+    x = jnp.full((1, k), 0.25, jnp.float32)
+    return w.nbytes / best_seconds(jax.jit(lambda x, w: x @ w), (x, w), runs) / 1e9
+
+
+def matmul_weights(config) -> int:
+    """The weights a dense decoder's matmuls read (every layer's projections and the output
+    projection), a count of numbers."""
+    h, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
+    return config.num_layers * per_layer + h * config.vocab_size
+
+
 def matmul_flops(config, tokens: int, logit_rows: int) -> float:
     """The matmul FLOPs of a decoder (`jpaged.models.model_config.ModelConfig`) running ``tokens``
     tokens through its layers and ``logit_rows`` of them through the output projection."""
-    h, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
-    return 2.0 * (config.num_layers * per_layer * tokens + h * config.vocab_size * logit_rows)
+    head = config.hidden_size * config.vocab_size
+    return 2.0 * ((matmul_weights(config) - head) * tokens + head * logit_rows)
+
+
+def memory_floor_bytes(weight_bytes: int, steps: int, kv_bytes_per_token: float, sequences) -> float:
+    """The bytes a run must read from memory at the least: the weights once per model step (a step
+    of any size reads each weight) and, for every generated token, the KV cache of the tokens before
+    it; ``sequences``: (prompt tokens, generated tokens) of each sequence."""
+    contexts = sum(n * p + n * (n - 1) // 2 for p, n in sequences)  # sum over generated tokens of their context
+    return float(weight_bytes) * steps + kv_bytes_per_token * contexts
+
+
+def roofline_seconds(flops: float, memory_bytes: float, peak_gflops: float, bandwidth_gbs: float) -> float:
+    """A lower bound on a run's time: its matmuls at the GEMM peak, or its memory floor at the
+    measured bandwidth, whichever takes longer (an estimate: other work and overlap are ignored)."""
+    return max(flops / (peak_gflops * 1e9), memory_bytes / (bandwidth_gbs * 1e9))
 
 
 def vllm_cpu_env(kv_cache_gib: int) -> dict:

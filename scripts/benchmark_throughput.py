@@ -13,9 +13,13 @@ the ``oracle`` allocator knows). Without ``--model`` the random ``bench-llama`` 
 once into ``--cache_dir`` (``bench_common.make_bench_model``); ``--model smollm2`` is the embedded
 SmolLM2-135M-Instruct as a float32 Hugging Face directory (``bench_common.smollm2_dir``).
 
-First it prints the machine (CPU model, AVX-512 or AVX2, cores, load) and its float32 GEMM peak,
-measured then; every throughput line then gives the matmul GFLOP/s it implies and their fraction
-of that peak, so each figure says what machine it comes from.
+First it prints the machine (CPU model, AVX-512 or AVX2, cores, load), its float32 GEMM peak and
+its memory bandwidth (`bench_common.memory_bandwidth_gbs`), measured then; every throughput line
+then gives the matmul GFLOP/s it implies and their fraction of that peak, and a roofline: the
+longer of the matmuls at the GEMM peak and the run's memory floor (each model step reads every
+weight; each generated token reads the KV cache of its context: `bench_common.memory_floor_bytes`)
+at that bandwidth, an estimate, with its share of the run's time. So each figure says what machine
+it comes from and how near the machine's limit it is.
 
 Prints per allocator: requests/s, total and output tokens/s, mean batch size (requests advanced per
 engine step; also over the steps during which some request was still waiting, i.e. when the memory
@@ -31,10 +35,12 @@ import contextlib
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from bench_common import CACHE_DIR, COMPILE_SECONDS, describe_machine, matmul_flops, model_dir
+from bench_common import (CACHE_DIR, COMPILE_SECONDS, describe_machine, matmul_flops, matmul_weights, memory_bandwidth_gbs,
+                          memory_floor_bytes, model_dir, roofline_seconds)
 from workloads import make_workload
 from jpaged import LLM, BeamSearchParams, SamplingParams
 from jpaged.engine.step_timing import StepTimings
@@ -135,15 +141,20 @@ def run(llm: LLM, requests) -> dict:
     in_tokens = sum(len(o.prompt_token_ids) for o in finished)
     metrics = llm.get_metrics()
     flops = matmul_flops(engine.model_config, in_tokens + out_tokens, out_tokens)
+    timings = [r.step_timings for r in replicas]
+    first = replicas[0]
+    memory = memory_floor_bytes(matmul_weights(first.model_config) * jnp.dtype(first.dtype).itemsize,
+                                sum(t.steps for t in timings), first.input_processor.kv_bytes_per_block / F.block_size,
+                                [(len(o.prompt_token_ids), len(c.token_ids)) for o in finished for c in o.outputs])
     return {"requests/s": len(finished) / elapsed, "tokens/s": (in_tokens + out_tokens) / elapsed,
             "output tokens/s": out_tokens / elapsed, "mean batch": batched / max(steps, 1),
-            "matmul GFLOP/s": flops / elapsed / 1e9,
+            "matmul GFLOP/s": flops / elapsed / 1e9, "matmul FLOPs": flops, "memory floor bytes": memory,
             "loaded batch": loaded_batched / max(loaded_steps, 1),
             "preemptions": metrics["num_preemptions"], "steps": steps, "seconds": elapsed,
             "compile seconds": compiling, "new compilations": metrics["num_compilations"] - compilations_before,
             "compilations": metrics["num_compilations"], "blocks": metrics["num_total_blocks"],
             "peak blocks": round(metrics["peak_kv_cache_usage"] * metrics["num_total_blocks"]),
-            "timings": [r.step_timings for r in replicas]}
+            "timings": timings}
 
 
 def _drive(engine):
@@ -196,10 +207,13 @@ def run_hf(model_dir: str, prompts, output_lens) -> float:
     return len(prompts) * output_lens[0] / elapsed
 
 
-def report(name: str, r: dict, num_requests: int, peak: float) -> None:
+def report(name: str, r: dict, num_requests: int, peak: float, bandwidth: float) -> None:
+    roofline = roofline_seconds(r["matmul FLOPs"], r["memory floor bytes"], peak, bandwidth)
     print(f"{name:<12} Throughput: {r['requests/s']:.2f} requests/s, {r['tokens/s']:.2f} total tokens/s, "
           f"{r['output tokens/s']:.2f} output tokens/s;  matmuls {r['matmul GFLOP/s']:.1f} GFLOP/s = "
-          f"{r['matmul GFLOP/s'] / peak:.1%} of the GEMM peak;  mean batch {r['mean batch']:.2f} "
+          f"{r['matmul GFLOP/s'] / peak:.1%} of the GEMM peak;  roofline {roofline:.1f} s ("
+          f"{r['matmul FLOPs'] / 1e9:.0f} GFLOP at the peak, {r['memory floor bytes'] / 1e9:.0f} GB at "
+          f"{bandwidth:.1f} GB/s: an estimate) = {roofline / r['seconds']:.1%} of the time;  mean batch {r['mean batch']:.2f} "
           f"({r['loaded batch']:.2f} while requests wait)  peak KV blocks {r['peak blocks']}  "
           f"preemptions {r['preemptions']}  steps {r['steps']}  {r['seconds']:.1f} s "
           f"(+{r['compile seconds']:.1f} s compiling, not counted)  "
@@ -219,6 +233,8 @@ def main(argv):
     if (F.n > 1 or F.beam_width) and F.allocator != ["paged"]:
         raise app.UsageError("--n / --beam_width measure block sharing: run them with --allocator paged")
     peak = describe_machine()
+    bandwidth = memory_bandwidth_gbs()
+    print(f"memory: {bandwidth:.1f} GB/s (XLA's matrix-vector product reading 1 GiB, best of 5, measured now)", flush=True)
     model = model_dir(F.model, F.cache_dir)
     results = {}
     sharing_modes = {"on": [True], "off": [False], "both": [True, False]}[F.sharing]
@@ -235,7 +251,7 @@ def main(argv):
                 name = allocator if len(sharing_modes) == 1 else f"{allocator}/{'shared' if sharing else 'unshared'}"
                 name = name if len(F.kv_cache_dtype) == 1 else f"{name}/kv={kv}"
                 results[name] = run(llm, make_requests(prompts, output_lens, vocab, sharing))
-                report(name, results[name], len(prompts), peak)
+                report(name, results[name], len(prompts), peak, bandwidth)
                 if F.single_stream:
                     single_stream(llm, prompts, peak)
                 del llm

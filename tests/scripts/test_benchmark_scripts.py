@@ -8,6 +8,7 @@ import pytest
 from run_script import SCRIPTS, run_script
 
 sys.path.insert(0, SCRIPTS)
+import bench_common  # noqa: E402
 import workloads  # noqa: E402
 
 sys.path.remove(SCRIPTS)
@@ -25,8 +26,25 @@ def test_throughput_allocators_and_sharing(llama_dir):
               "--max_model_len=256", "--num_kv_blocks=64"]
     out = run_benchmark(*common, "--allocator=paged,oracle")
     assert "paged / oracle" in out and out.count("Throughput:") == 2
+    assert "memory: " in out and out.count("% of the time;") == 2  # the roofline of each run
     out = run_benchmark(*common, "--beam_width=2", "--sharing=both", "--shared_prefix=1-shot")
     assert "sharing on / off (paged)" in out
+
+
+def test_roofline_reads_every_weight_per_step_and_the_context_per_generated_token():
+    """The benchmark's roofline: the matmuls' FLOPs at the GEMM peak or the memory floor (each model
+    step reads every weight, each generated token the KV cache of its context) at the bandwidth,
+    whichever takes longer."""
+    from types import SimpleNamespace
+    config = SimpleNamespace(hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4, intermediate_size=16,
+                             num_layers=3, vocab_size=10)
+    layers = 3 * (8 * (8 + 2 * 4) + 8 * 8 + 3 * 8 * 16)  # q/k/v, o, gate/up/down
+    assert bench_common.matmul_weights(config) == layers + 8 * 10
+    assert bench_common.matmul_flops(config, 5, 2) == 2.0 * (layers * 5 + 8 * 10 * 2)
+    # prompt 3 generating 4 reads contexts 3 + 4 + 5 + 6; prompt 10 generating 1 reads 10
+    assert bench_common.memory_floor_bytes(100, 7, 2.0, [(3, 4), (10, 1)]) == 100 * 7 + 2.0 * (18 + 10)
+    assert bench_common.roofline_seconds(3e9, 1e9, peak_gflops=1.0, bandwidth_gbs=0.5) == 3.0  # compute-bound
+    assert bench_common.roofline_seconds(1e9, 4e9, peak_gflops=1.0, bandwidth_gbs=0.5) == 8.0  # memory-bound
 
 
 @pytest.mark.slow
