@@ -36,6 +36,14 @@ yardstick in each process.
   python scripts/benchmark_kernels.py --mode=matmul --model=bench-llama --rows=1,2,4,8,16,32,64
   XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=-individual_dot python scripts/benchmark_kernels.py --mode=matmul
 
+``--mode=layers``: the packed matmuls of a decode step as the step makes them, layer after layer in
+one XLA program, each layer with its own weights (as many layers as the model has: they stream from
+memory unless the model fits the caches), the projections' outputs feeding the next as in a Llama
+layer; against the same program on one layer's weights repeated (warm). Per ``--rows``: ms per
+layer, weight GB/s and GFLOP/s (the least of 15 runs, and the median):
+
+  python scripts/benchmark_kernels.py --mode=layers --model=smollm2 --rows=8,16,32,64
+
 ``--backend=xla`` times the pure-jnp reference (the CPU path).
 ``--backend=pallas`` times the Pallas kernel for the current platform; on CPU
 that is interpret mode, useful as a smoke test only.
@@ -56,10 +64,11 @@ from bench_common import CACHE_DIR, describe_machine, model_dir
 from pallas_kernels import cpu as cpu_kernels
 from pallas_kernels.cpu import measure
 
-_MODE = flags.DEFINE_enum("mode", "steps", ["steps", "dense", "matmul"],
-                          "Engine-like steps (old vs new xla path), paged vs dense decode, or the matmul.")
-_MODEL = flags.DEFINE_list("model", ["bench-llama"], "--mode=matmul: bench-llama, smollm2 or HF directories")
-_ROWS = flags.DEFINE_list("rows", ["1", "2", "4", "8", "16", "32", "64"], "--mode=matmul: rows per matmul")
+_MODE = flags.DEFINE_enum("mode", "steps", ["steps", "dense", "matmul", "layers"],
+                          "Engine-like steps (old vs new xla path), paged vs dense decode, the matmul, or the "
+                          "matmuls of every layer in turn.")
+_MODEL = flags.DEFINE_list("model", ["bench-llama"], "--mode=matmul/layers: bench-llama, smollm2 or HF directories")
+_ROWS = flags.DEFINE_list("rows", ["1", "2", "4", "8", "16", "32", "64"], "--mode=matmul/layers: rows per matmul")
 _BATCH = flags.DEFINE_list("batch", ["1", "8", "32"], "Batch sizes.")
 _CONTEXT = flags.DEFINE_list("context", ["256", "1024", "2048"],
                              "Context lengths (tokens per sequence).")
@@ -291,16 +300,21 @@ def run_steps():
               f"{t_old / t_new:>7.2f}x {t_cpp * 1e3:>8.2f} {mb:>20} {mf:>20} {diff:>9.1e}", flush=True)
 
 
-def weight_groups(path: str) -> tuple[list[tuple[int, tuple]], tuple | None]:
-    """(K, widths) of each call a decode step of the model at ``path`` makes: q/k/v, o, gate/up,
-    down, and the output projection; and a tied embedding's table shape ``(vocab, K)`` (None where
-    the output projection is its own weight): its logits are ``jpaged_matmul_t``'s, on the table as it lies."""
+def model_config(path: str):
+    """The `ModelConfig` of the Hugging Face directory at ``path``."""
     import json
 
     from jpaged.models.model_config import ModelConfig
 
     with open(f"{path}/config.json") as f:
-        c = ModelConfig.from_hf(json.load(f))
+        return ModelConfig.from_hf(json.load(f))
+
+
+def weight_groups(path: str) -> tuple[list[tuple[int, tuple]], tuple | None]:
+    """(K, widths) of each call a decode step of the model at ``path`` makes: q/k/v, o, gate/up,
+    down, and the output projection; and a tied embedding's table shape ``(vocab, K)`` (None where
+    the output projection is its own weight): its logits are ``jpaged_matmul_t``'s, on the table as it lies."""
+    c = model_config(path)
     h, q, kv, inter = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
     groups = [(h, (q, kv, kv)), (q, (h,)), (h, (inter, inter)), (inter, (h,))]
     if c.tie_word_embeddings:
@@ -353,11 +367,47 @@ def run_matmul(peak: float):
                   f" | xla / C++: {seconds[1] / seconds[0]:.2f}", flush=True)
 
 
+def run_layers():
+    for name in _MODEL.value:
+        path = model_dir(name, CACHE_DIR)
+        groups = weight_groups(path)[0][:4]  # q/k/v, o, gate/up, down (not an untied output projection)
+        num_layers = model_config(path).num_layers
+        layers = [tuple(tuple(cpu_kernels.pack_weight(measure.filled((k, n), 0.02 + 0.001 * i)) for n in widths)
+                        for k, widths in groups) for i in range(num_layers)]
+
+        def step(x, layers):  # a Llama layer's projections, each call's outputs feeding the next
+            for qkv, o, gate_up, down in layers:
+                q = cpu_kernels.matmuls_packed(x, qkv)[0]
+                x = x + cpu_kernels.matmuls_packed(q, o)[0]
+                gate, up = cpu_kernels.matmuls_packed(x, gate_up)
+                x = x + 0.1 * cpu_kernels.matmuls_packed(gate * up, down)[0]
+            return x
+
+        run = jax.jit(step)
+        gbytes = sum(k * sum(widths) for k, widths in groups) * 4 / 1e9
+        for rows in map(int, _ROWS.value):
+            flops = 2 * rows * gbytes / 4 * 1e9
+            x = measure.filled((rows, groups[0][0]), 0.1)
+            for label, ws in (("own weights", layers), ("one layer's weights", [layers[0]] * num_layers)):
+                run(x, ws).block_until_ready()
+                seconds = []
+                for _ in range(15):
+                    start = time.perf_counter()
+                    run(x, ws).block_until_ready()
+                    seconds.append((time.perf_counter() - start) / num_layers)
+                least, median = min(seconds), statistics.median(seconds)
+                print(f"{name} {num_layers} layers, {rows:3d} rows, {label}: {least * 1e3:.3f} ms a layer "
+                      f"({gbytes / least:.1f} GB/s, {flops / least / 1e9:.0f} GFLOP/s), median {median * 1e3:.3f}",
+                      flush=True)
+
+
 def main(argv):
     del argv
     peak = describe_machine()
     if _MODE.value == "matmul":
         return run_matmul(peak)
+    if _MODE.value == "layers":
+        return run_layers()
     if _MODE.value == "steps":
         return run_steps()
     dtype = jnp.dtype(_DTYPE.value)

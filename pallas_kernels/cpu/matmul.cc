@@ -44,12 +44,14 @@ constexpr int64_t kFewRows = 0;               // never FewRows: one block stream
 constexpr int64_t kCopyBlocks = 0;            // never copied
 constexpr int64_t kShortBlocks = 3, kShortChunk = 32;  // 8 KiB of a panel
 constexpr bool kSpreadNarrow = true;          // spread the rows in narrow items too
+constexpr bool kSpreadPrefetch = true;        // the next piece's prefetches spread over the piece
 #else
 constexpr int64_t kVecs = 2, kRows = 6;
 constexpr int64_t kFewRows = kRows;           // one block or less: FewRows
 constexpr int64_t kCopyBlocks = 4;            // row blocks from which a piece in one L1 set is copied
 constexpr int64_t kShortBlocks = 2, kShortChunk = 64;  // 4 KiB of a panel
 constexpr bool kSpreadNarrow = false;
+constexpr bool kSpreadPrefetch = false;       // a row of it each step from the first (measured faster)
 #endif
 constexpr int64_t kPanel = kVecs * kLanes;    // columns per panel
 constexpr int64_t kItemPanels = 32;           // most panels per work item (longer runs of each weight row)
@@ -78,10 +80,9 @@ inline void PanelStep(const float* x, int64_t ldx, int64_t k, const float* wk, f
 
 // out[r, :kPanel] (+)= x[r, k0:k1] @ piece for the R rows from x / out (leading dims ldx, ldo; the
 // piece's row k - k0 at piece + (k - k0) * ldw: the weight's rows k0:k1 of one panel, or a copy of
-// them): the sums start from zero when k0 is 0,
-// else from out. The first next_rows steps also prefetch a row of `next` (leading dim N; the next
-// piece) each into L2. With kCopy, the piece is also copied to `copy` (kPanel floats a row) for the
-// blocks after this one.
+// them): the sums start from zero when k0 is 0, else from out. Meanwhile the steps prefetch
+// next_rows rows of `next` (leading dim N; the next piece) into L2 (kSpreadPrefetch). With kCopy,
+// the piece is also copied to `copy` (kPanel floats a row) for the blocks after this one.
 template <int R, bool kCopy>
 void PanelLoop(const float* x, int64_t ldx, const float* piece, int64_t ldw, int64_t k0, int64_t k1, float* out,
                int64_t ldo, const float* next, int64_t N, int64_t next_rows, float* copy) {
@@ -89,13 +90,25 @@ void PanelLoop(const float* x, int64_t ldx, const float* piece, int64_t ldw, int
   for (int r = 0; r < R; ++r) {
     for (int64_t c = 0; c < kVecs; ++c) acc[r][c] = k0 > 0 ? Load(out + r * ldo + kLanes * c) : Vec{};
   }
-  const int64_t prefetched = k0 + std::min(next_rows, k1 - k0);
-  int64_t k = k0;
-  for (; k < prefetched; ++k) {
-    for (int64_t c = 0; c < kVecs; ++c) __builtin_prefetch(next + (k - k0) * N + kLanes * c, 0, 1);
-    PanelStep<R, kCopy>(x, ldx, k, piece + (k - k0) * ldw, copy + (k - k0) * kPanel, acc);
+  if constexpr (kSpreadPrefetch) {
+    // The next rows' kVecs lines each, spread evenly over the steps (`due` counts lines owed times
+    // steps): a burst of prefetches at the start would wait on the core's few fill buffers.
+    const int64_t lines = next_rows * kVecs, steps = k1 - k0;
+    for (int64_t k = k0, line = 0, due = 0; k < k1; ++k) {
+      for (due += lines; due >= steps; due -= steps, ++line) {
+        __builtin_prefetch(next + (line / kVecs) * N + kLanes * (line % kVecs), 0, 1);
+      }
+      PanelStep<R, kCopy>(x, ldx, k, piece + (k - k0) * ldw, copy + (k - k0) * kPanel, acc);
+    }
+  } else {  // a row of the next piece each step, from the first
+    const int64_t prefetched = k0 + std::min(next_rows, k1 - k0);
+    int64_t k = k0;
+    for (; k < prefetched; ++k) {
+      for (int64_t c = 0; c < kVecs; ++c) __builtin_prefetch(next + (k - k0) * N + kLanes * c, 0, 1);
+      PanelStep<R, kCopy>(x, ldx, k, piece + (k - k0) * ldw, copy + (k - k0) * kPanel, acc);
+    }
+    for (; k < k1; ++k) PanelStep<R, kCopy>(x, ldx, k, piece + (k - k0) * ldw, copy + (k - k0) * kPanel, acc);
   }
-  for (; k < k1; ++k) PanelStep<R, kCopy>(x, ldx, k, piece + (k - k0) * ldw, copy + (k - k0) * kPanel, acc);
   for (int r = 0; r < R; ++r) {
     for (int64_t c = 0; c < kVecs; ++c) Store(out + r * ldo + kLanes * c, acc[r][c]);
   }
