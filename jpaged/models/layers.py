@@ -126,14 +126,19 @@ def run_layers(layers, x, kv_caches, *args, kv_layout=None):
 
 
 def tied_or_head_logits(embed: nnx.Embed, lm_head, hidden):
-    """float32 logits from ``lm_head``, or from the embedding table when the two are tied (None;
-    the C++ `pallas_kernels.cpu.matmul_t` where `pallas_kernels.cpu.runs` says so)."""
-    if lm_head is None:
-        table = embed.embedding[...]
-        if hidden.ndim == 2 and cpu.runs("matmul_t", hidden, table):
-            return cpu.matmul_t(hidden, table)
-        return embed.attend(hidden).astype(jnp.float32)
-    return lm_head(hidden).astype(jnp.float32)
+    """float32 logits from ``lm_head`` (through `project`: the C++ matmul where it serves), or from
+    the embedding table when the two are tied (None): the C++ packed matmul on the table's packed
+    copy (``packed_kernel``, `jpaged.runner.packed_weights`) or `pallas_kernels.cpu.matmul_t` on the
+    table as it lies, where `pallas_kernels.cpu.runs` says so, else XLA's."""
+    if lm_head is not None:
+        return project(hidden, lm_head)[0].astype(jnp.float32)
+    table = embed.embedding[...]
+    packed = getattr(embed, "packed_kernel", None)
+    if packed is not None and cpu.runs("matmul_t_packed", hidden, table):
+        return cpu.matmuls_packed(hidden, [packed[...]])[0]
+    if hidden.ndim == 2 and cpu.runs("matmul_t", hidden, table):
+        return cpu.matmul_t(hidden, table)
+    return embed.attend(hidden).astype(jnp.float32)
 
 
 def rope_inv_freq(config: ModelConfig, local: bool = False) -> np.ndarray:

@@ -16,7 +16,7 @@ from jax.sharding import AxisType
 from pallas_kernels.cpu import library, measure
 from pallas_kernels.platform import target_platform
 
-KERNELS = ("paged_attention", "matmul", "matmul_packed", "matmul_t", "greedy", "lora")
+KERNELS = ("paged_attention", "matmul", "matmul_packed", "matmul_t", "matmul_t_packed", "greedy", "lora")
 MATMUL_ROWS = measure.MATMUL_ROWS[-1]  # the C++ matmul serves x [M, K] @ w [K, N] with M up to this
 LORA_MAX_RANK = 512  # the C++ LoRA kernel serves slot stacks of rank up to this (lora.cc: kMaxRank)
 
@@ -34,16 +34,18 @@ def runs(kernel: str, *arrays, kv_scales=None) -> bool:
     ``"paged_attention"`` the query and the pages (``kv_scales``: the 8-bit pages' scale words, or None),
     for ``"matmul"`` ``x [M, K]`` and the weights ``[K, N]`` (``"matmul_packed"``: the same, the
     kernel reading their packed copies), for ``"matmul_t"`` ``x [M, K]`` and one
-    weight stored transposed ``[N, K]``, for ``"greedy"`` the logits, for ``"lora"`` ``x [T, K]`` and
+    weight stored transposed ``[N, K]`` (``"matmul_t_packed"``: the kernel reading a packed copy of
+    its transpose), for ``"greedy"`` the logits, for ``"lora"`` ``x [T, K]`` and
     the slot stacks ``a [G, K, R]``, ``b [G, R, N]`` of each projection."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}: expected one of {KERNELS}")
     if not (arrays and kv_scales is None and all(x.dtype == jnp.float32 for x in arrays)):
         return False
-    if kernel in ("matmul", "matmul_packed", "matmul_t"):
+    if kernel.startswith("matmul"):
         x, *weights = arrays
-        contracted = 1 if kernel == "matmul_t" else 0
-        if not (x.ndim == 2 and x.shape[0] <= MATMUL_ROWS and (kernel != "matmul_t" or len(weights) == 1)
+        transposed = kernel.startswith("matmul_t")
+        contracted = 1 if transposed else 0
+        if not (x.ndim == 2 and x.shape[0] <= MATMUL_ROWS and (not transposed or len(weights) == 1)
                 and all(w.ndim == 2 and w.shape[contracted] == x.shape[1] for w in weights)):
             return False
     if kernel == "lora":
@@ -58,8 +60,8 @@ def runs(kernel: str, *arrays, kv_scales=None) -> bool:
     if kernel in ("matmul", "matmul_packed"):
         return measure.matmul(x.shape[1], tuple(w.shape[1] for w in weights), x.shape[0],
                               packed=kernel == "matmul_packed")
-    if kernel == "matmul_t":
-        return measure.matmul_t(x.shape[1], weights[0].shape[0], x.shape[0])
+    if kernel in ("matmul_t", "matmul_t_packed"):
+        return measure.matmul_t(x.shape[1], weights[0].shape[0], x.shape[0], packed=kernel == "matmul_t_packed")
     if kernel == "greedy":
         logits = arrays[0]
         return logits.ndim == 2 and measure.greedy(logits.shape[1], logits.shape[0])

@@ -251,13 +251,14 @@ def matmul(k: int, widths: tuple, rows: int, packed: bool = False) -> bool:
                    lambda: _measure_matmul(k, widths, bounds, batch, packed=packed))
 
 
-def matmul_t(k: int, n: int, rows: int) -> bool:
-    """Whether the C++ matmul serves ``x [rows, k] @ w.T`` with ``w [n, k]``."""
-    group = f"matmul_t [{k}] x [{n}, {k}]^T"
+def matmul_t(k: int, n: int, rows: int, packed: bool = False) -> bool:
+    """Whether the C++ matmul serves ``x [rows, k] @ w.T`` with ``w [n, k]``; ``packed``: from a
+    packed copy of ``w.T`` (`ops.matmuls_packed`), else from ``w`` as it lies (`ops.matmul_t`)."""
+    group = f"matmul_t{' packed' if packed else ''} [{k}] x [{n}, {k}]^T"
     bounds = MATMUL_ROWS[:1] if rows <= MATMUL_ROWS[0] else MATMUL_ROWS[1:]
     batch = [f"{group} rows<={b}" for b in bounds]
     return _decide(group, batch, f"{group} rows<={row_class(rows, MATMUL_ROWS)}",
-                   lambda: _measure_matmul(k, (n,), bounds, batch, transposed=True))
+                   lambda: _measure_matmul(k, (n,), bounds, batch, transposed=True, packed=packed))
 
 
 def _measure_matmul(k, widths, bounds, keys, transposed=False, packed=False):
@@ -269,13 +270,12 @@ def _measure_matmul(k, widths, bounds, keys, transposed=False, packed=False):
     steps = []
     for i in range(len(bounds)):
         x = len(args) - len(bounds) + i
-        if transposed:
+        if transposed and not packed:
             steps.append((lambda *a, x=x: ops.matmul_t(a[x], a[0]), x))
-            steps.append((lambda *a, x=x: a[x] @ a[0].T, x))
         else:
             kernel = ops.matmuls_packed if packed else ops.matmuls
             steps.append((lambda *a, x=x, kernel=kernel: kernel(a[x], [a[j] for j in copies]), x))
-            steps.append((lambda *a, x=x: [a[x] @ a[j] for j in weights], x))
+        steps.append((lambda *a, x=x: [a[x] @ (a[j].T if transposed else a[j]) for j in weights], x))
     runs = time_runs(steps, args, evict=sorted(set(weights) | set(copies)))
     return {key: (runs[2 * i], runs[2 * i + 1]) for i, key in enumerate(keys)}
 

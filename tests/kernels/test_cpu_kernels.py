@@ -515,7 +515,8 @@ QUIET = [((2.0, 2.04, 2.02), (1.5, 1.52, 1.51))] * len(CLASSES)  # XLA is faster
 
 def test_packed_copies_are_measured_as_they_run(fresh_choices, monkeypatch):
     """``runs("matmul_packed", x, *weights)`` times the packed kernel on packed copies against XLA's
-    dots on the weights, under a group of its own beside the plain matmul's."""
+    dots on the weights, under a group of its own beside the plain matmul's; ``runs("matmul_t_packed",
+    x, table)`` the packed kernel on a copy of ``table.T`` against XLA's ``x @ table.T``."""
     import json
     monkeypatch.setattr(measure, "busy", lambda: "")
     monkeypatch.setattr(measure, "SPREAD", float("inf"))
@@ -528,6 +529,21 @@ def test_packed_copies_are_measured_as_they_run(fresh_choices, monkeypatch):
     assert timed == [[(64, 128), (2, 64, 64)]]  # the weight and its packed copy, both evicted
     saved = json.loads(fresh_choices.read_text())[measure.context()]
     assert sorted(saved) == sorted(f"matmul packed [64] x [128] rows<={b}" for b in measure.MATMUL_ROWS[1:])
+    # a tied embedding's table [N, K]: the packed copy of its transpose against XLA's x @ table.T
+    steps = []
+    monkeypatch.setattr(measure, "time_runs", lambda s, args, evict=(): steps.append(s) or timed.append(
+        [tuple(args[j].shape) for j in evict]) or time_runs(s, args, evict))
+    table = jnp.ones((128, 64), jnp.float32)
+    jax.jit(lambda x, t: cpu_kernels.runs("matmul_t_packed", x, t) and x).lower(x, table)
+    assert timed[-1] == [(128, 64), (2, 64, 64)]
+    rng = np.random.default_rng(0)
+    t = rng.standard_normal((128, 64)).astype(np.float32)
+    xs = [rng.standard_normal((b, 64)).astype(np.float32) for b in measure.MATMUL_ROWS[1:]]
+    args = [t, cpu_kernels.pack_weight(t.T), *xs]
+    for timed_step in steps[0][:2]:  # the C++ kernel's and XLA's steps of the first row class
+        np.testing.assert_allclose(np.asarray(timed_step[0](*args)[0]), xs[0] @ t.T, rtol=1e-4, atol=1e-4)
+    saved = json.loads(fresh_choices.read_text())[measure.context()]
+    assert {f"matmul_t packed [64] x [128, 64]^T rows<={b}" for b in measure.MATMUL_ROWS[1:]} <= set(saved)
 
 
 def test_a_disturbed_measurement_is_provisional_until_a_quiet_one(fresh_choices, monkeypatch, caplog):
@@ -587,9 +603,11 @@ def test_runs_follows_the_choice_and_the_environment_overrides_it(fresh_choices,
         entry = {"cpp": choice, "cpp_ms": 1.0, "xla_ms": 1.0}
         measure._entries().update({"matmul [64] x [48] rows<=8": entry, "greedy [300] rows<=16": entry,
                                    "paged_attention heads 4/1 x 8, blocks of 8": entry,
-                                   "matmul_t [64] x [48, 64]^T rows<=8": entry})
+                                   "matmul_t [64] x [48, 64]^T rows<=8": entry,
+                                   "matmul_t packed [64] x [48, 64]^T rows<=8": entry})
         assert cpu_kernels.runs("matmul", x, w) == choice
         assert cpu_kernels.runs("matmul_t", x, w.T) == choice
+        assert cpu_kernels.runs("matmul_t_packed", x, w.T) == choice
         assert cpu_kernels.runs("greedy", logits) == choice
         assert cpu_kernels.runs("paged_attention", q, pages) == choice
         monkeypatch.setenv("JPAGED_CPU_KERNELS", "1")

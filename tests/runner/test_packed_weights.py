@@ -47,21 +47,24 @@ def assert_packed_from_kernels(llm):
     packed = packed_leaves(llm)
     assert packed
     for path, x in packed.items():
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(cpu.pack_weight(flat[path[:-1] + ("kernel",)])))
+        weight = packed_weights.source(path, flat)
+        expected = flat[weight].T if weight[-1] == "embedding" else flat[weight]
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(cpu.pack_weight(expected)))
 
 
 def test_decode_steps_read_the_packed_copies(forced_on, llama_dir, monkeypatch):
     """Every projection of the tiny Llama as wide as whole packed panels (q and o: 64, gate and up:
-    128, down: 64) gets a packed copy, k and v (32) none; the decode steps call the packed matmul
-    for gate and up together, for o and for down (q, k and v: the plain matmul, since not all three
-    have a copy), and the tokens are transformers' and those of an engine without copies."""
+    128, down: 64, lm_head: 256) gets a packed copy, k and v (32) none; the decode steps call the
+    packed matmul for gate and up together, for o, for down and for the logits (q, k and v: the
+    plain matmul, since not all three have a copy), and the tokens are transformers' and those of an
+    engine without copies."""
     traced, real = [], cpu.matmuls_packed
     monkeypatch.setattr(cpu, "matmuls_packed", lambda x, packed: traced.append(len(packed)) or real(x, packed))
     llm = LLM(llama_dir[0], **ENGINE)
     runner = llm.llm_engine.runner
     kernels = {p[:-1]: x for p, x in zip(runner.weight_targets.paths, jax.tree.leaves(runner.state))
-               if p[-1] == "kernel" and p[-2].endswith("_proj") and p[-2] not in ("k_proj", "v_proj")}
-    assert len(kernels) == 2 * 5 and {p[:-1] for p in packed_leaves(llm)} == set(kernels)
+               if p[-1] == "kernel" and p[-2] not in ("k_proj", "v_proj")}
+    assert len(kernels) == 2 * 5 + 1 and {p[:-1] for p in packed_leaves(llm)} == set(kernels)
     assert runner.packed_bytes == sum(x.nbytes for x in kernels.values())
     assert_packed_from_kernels(llm)
     with_copies = assert_serves(llm, llama_dir[1])
@@ -94,6 +97,24 @@ def test_copies_follow_update_weights_and_sleep(forced_on, llama_dir, second_lla
     assert_serves(llm, llama_dir[1])
     m = llm.get_metrics()
     assert m["num_free_blocks"] == m["num_total_blocks"]
+
+
+def test_a_tied_embedding_gets_its_transpose_packed(forced_on, tied_llama_dir, monkeypatch):
+    """A model whose logits come from its embedding table (no lm_head) gets the table ``[vocab, H]``
+    packed as the logits' weight ``[H, vocab]``: the decode steps' logits call the packed matmul on
+    it, the tokens are transformers', and sleep / update_weights / wake_up make it again."""
+    traced, real = [], cpu.matmuls_packed
+    monkeypatch.setattr(cpu, "matmuls_packed", lambda x, packed: traced.append(packed[0].shape) or real(x, packed))
+    llm = LLM(tied_llama_dir[0], **ENGINE)
+    assert ("embed_tokens", packed_weights.PACKED) in packed_leaves(llm)
+    assert_packed_from_kernels(llm)
+    assert_serves(llm, tied_llama_dir[1])
+    assert (256 // cpu.PACKED_PANEL, 64, cpu.PACKED_PANEL) in traced
+    llm.sleep(level=2)
+    llm.update_weights(tied_llama_dir[0])
+    llm.wake_up()
+    assert_packed_from_kernels(llm)
+    assert_serves(llm, tied_llama_dir[1])
 
 
 def test_no_copies_of_a_model_the_caller_owns(forced_on, llama_dir):
