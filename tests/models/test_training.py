@@ -269,7 +269,9 @@ def assert_raw_logprobs_equal_transformers(llm, hf_model, atol=1e-5):
         sampled = [lp[t] for lp, t in zip(out.outputs[0].logprobs, completion)]
         assert all(len(lp) == 1 for lp in out.outputs[0].logprobs)  # logprobs=0: the sampled token's only
         np.testing.assert_allclose(sampled, expected, atol=atol)
-    assert llm.score(prompts[1], completions[1]) == pytest.approx(scores[1], abs=1e-6)
+    # alone, its steps have other row counts than in the batch: where this machine's measured kernel
+    # choice differs between the two row classes (C++ or XLA), a float32 logprob moves by a few ulps
+    assert llm.score(prompts[1], completions[1]) == pytest.approx(scores[1], abs=atol)
     m = llm.get_metrics()
     assert m["num_free_blocks"] == m["num_total_blocks"]
 
