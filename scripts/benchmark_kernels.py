@@ -102,16 +102,22 @@ def dense_attention(q, k, v, seq_lens, *, scale):
     return out.reshape(q.shape).astype(q.dtype)
 
 
-def time_fn(fn, *args):
+def run_times(fn, *args, runs=None) -> list[float]:
+    """Seconds of each of ``runs`` (default ``--num_runs``) calls of ``fn(*args)``, after compiling
+    and ``--warmup`` untimed calls."""
     jax.block_until_ready(fn(*args))  # compile
     for _ in range(_WARMUP.value):
         jax.block_until_ready(fn(*args))
     times = []
-    for _ in range(_NUM_RUNS.value):
+    for _ in range(runs or _NUM_RUNS.value):
         start = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def time_fn(fn, *args):
+    return statistics.median(run_times(fn, *args))
 
 
 def make_inputs(rng, batch, context, dtype):
@@ -302,12 +308,10 @@ def run_steps():
 
 def model_config(path: str):
     """The `ModelConfig` of the Hugging Face directory at ``path``."""
-    import json
-
+    from jpaged.loading.hf_checkpoint import read_config
     from jpaged.models.model_config import ModelConfig
 
-    with open(f"{path}/config.json") as f:
-        return ModelConfig.from_hf(json.load(f))
+    return ModelConfig.from_hf(read_config(path))
 
 
 def weight_groups(path: str) -> tuple[list[tuple[int, tuple]], tuple | None]:
@@ -389,12 +393,7 @@ def run_layers():
             flops = 2 * rows * gbytes / 4 * 1e9
             x = measure.filled((rows, groups[0][0]), 0.1)
             for label, ws in (("own weights", layers), ("one layer's weights", [layers[0]] * num_layers)):
-                run(x, ws).block_until_ready()
-                seconds = []
-                for _ in range(15):
-                    start = time.perf_counter()
-                    run(x, ws).block_until_ready()
-                    seconds.append((time.perf_counter() - start) / num_layers)
+                seconds = [t / num_layers for t in run_times(run, x, ws, runs=15)]
                 least, median = min(seconds), statistics.median(seconds)
                 print(f"{name} {num_layers} layers, {rows:3d} rows, {label}: {least * 1e3:.3f} ms a layer "
                       f"({gbytes / least:.1f} GB/s, {flops / least / 1e9:.0f} GFLOP/s), median {median * 1e3:.3f}",

@@ -71,10 +71,9 @@ def refresh(leaves: dict, paths, changed=None) -> dict:
     """``leaves`` ({path: array} of a state's leaves, the packed copies among ``paths`` perhaps
     missing) with every packed copy made again from its source that is missing or whose source's
     path is in ``changed`` (None: every one)."""
-    out = dict(leaves)
-    paths = list(paths)
-    for path in filter(is_packed, paths):
-        weight = source(path, paths)
+    out, known = dict(leaves), set(paths)
+    for path in filter(is_packed, known):
+        weight = source(path, known)
         if changed is None or weight in changed or path not in leaves:
             out[path] = pack(weight, leaves[weight])
     return out
