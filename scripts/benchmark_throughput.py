@@ -78,7 +78,8 @@ flags.DEFINE_bool("cpu_packed_weights", True, "On the CPU, packed copies of the 
                   "(the engine's default; --nocpu_packed_weights: the weights as they lie)")
 flags.DEFINE_bool("precompile", True, "Compile every step shape before the timed run (start-up time is printed)")
 flags.DEFINE_integer("single_stream", 0, "Then also time one request alone (32 prompt tokens) of this many output tokens")
-flags.DEFINE_bool("profile", False, "Print the per-step breakdown: schedule, prepare, device, post-process")
+flags.DEFINE_bool("profile", False, "Print the per-step breakdown (schedule, prepare, device, post-process) "
+                  "and the time by kind of step (prompt; decode by rows)")
 flags.DEFINE_string("trace_dir", None, "Write a jax.profiler trace of the timed run here (TensorBoard / Perfetto)")
 # A peer in the same run
 flags.DEFINE_enum("peer", "none", ["none", "hf"], "Also run transformers' batched generate (workload fixed)")
@@ -223,6 +224,8 @@ def report(name: str, r: dict, num_requests: int, peak: float, bandwidth: float)
         for i, timings in enumerate(r["timings"]):
             print(f"{'':12s} step breakdown{f' (replica {i})' if len(r['timings']) > 1 else ''}: "
                   f"{timings.summary()}", flush=True)
+            for line in timings.class_summary():
+                print(f"{'':14s} {line}", flush=True)
 
 
 def main(argv):

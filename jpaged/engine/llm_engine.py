@@ -15,7 +15,7 @@ from jpaged.core.scheduler_output import SchedulerOutput
 from jpaged.engine import startup
 from jpaged.engine.input_processor import InputProcessor
 from jpaged.engine.output_processor import OutputProcessor
-from jpaged.engine.step_timing import StepTimings
+from jpaged.engine.step_timing import StepTimings, step_class
 from jpaged.logger import configure_logging, logger
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
@@ -135,7 +135,8 @@ class LLMEngine:
             if request.finished:
                 self._end(request)
             outputs.append(self.output_processor.output(request))
-        self.step_timings.add(out.num_tokens * len(results), steps=len(results), schedule=scheduled - start,
+        self.step_timings.add(out.num_tokens * len(results), steps=len(results),
+                              kind=step_class(len(out.seqs), out.num_tokens), schedule=scheduled - start,
                               prepare=results[0].prepare_seconds, device=results[0].device_seconds,
                               post=time.perf_counter() - scheduled - results[0].prepare_seconds
                               - results[0].device_seconds)

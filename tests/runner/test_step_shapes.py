@@ -7,6 +7,7 @@ import pytest
 from conftest import random_prompts
 from jpaged import LLM, SamplingParams
 from jpaged.runner import model_runner
+from jpaged.engine.step_timing import step_class
 from jpaged.runner.buckets import StepBuckets
 from jpaged.sample.sampler import argmax
 
@@ -75,6 +76,18 @@ def test_step_timings_account_for_every_step(llama_dir):
     assert min(timings.schedule, timings.prepare, timings.device, timings.post) >= 0
     assert timings.device > 0
     assert "ms" in timings.summary()
+    # by kind of step: the prompt steps and the decode steps (two rows), every model step counted once
+    assert set(timings.by_class) == {"prompt", "decode, <= 8 rows"}
+    assert sum(steps for steps, _ in timings.by_class.values()) == timings.steps
+    total = sum(getattr(timings, p) for p in ("schedule", "prepare", "device", "post"))
+    assert sum(seconds for _, seconds in timings.by_class.values()) == pytest.approx(total)
+    assert timings.class_summary()[0].startswith("prompt: ")
+
+
+def test_a_step_is_classed_by_its_tokens_and_rows():
+    assert step_class(3, 40) == "prompt" and step_class(1, 2) == "prompt"  # a prompt chunk, a verification
+    assert step_class(1, 1) == "decode, 1 row" and step_class(2, 2) == "decode, <= 8 rows"
+    assert step_class(33, 33) == "decode, <= 64 rows" and step_class(300, 300) == "decode, > 256 rows"
 
 
 @pytest.mark.parametrize("shape", [(4, 7), (3, 1000), (1, 2)])
