@@ -7,11 +7,11 @@ ROW_CLASSES = (1, 8, 16, 32, 64, 128, 256)  # decode steps by their most rows, a
 
 
 def step_class(rows: int, tokens: int) -> str:
-    """The kind of a step of ``rows`` sequences and ``tokens`` tokens: "prompt" where some
-    sequence runs more than one token (a prompt chunk, or a verification of proposed tokens), else
-    "decode, <= N rows" for the least N of `ROW_CLASSES` that holds its rows ("decode, 1 row")."""
+    """The kind of a step of ``rows`` sequences and ``tokens`` tokens: "prompt/verification"
+    where some sequence runs more than one token (a prompt chunk, or proposed tokens verified),
+    else "decode, <= N rows" for the least N of `ROW_CLASSES` that holds its rows ("decode, 1 row")."""
     if tokens > rows:
-        return "prompt"
+        return "prompt/verification"
     most = next((n for n in ROW_CLASSES if rows <= n), None)
     if most == 1:
         return "decode, 1 row"
@@ -64,7 +64,7 @@ class StepTimings:
 
         def order(kind: str) -> tuple:
             digits = "".join(c for c in kind if c.isdigit())
-            return (kind != "prompt", ">" in kind, int(digits or 0))
+            return (not kind.startswith("prompt"), ">" in kind, int(digits or 0))
 
         return [f"{kind}: {steps} model steps, {seconds / max(steps, 1) * 1e3:.1f} ms a step, {seconds:.2f} s "
                 f"({seconds / total:.1%})" for kind, (steps, seconds) in sorted(self.by_class.items(),

@@ -77,15 +77,15 @@ def test_step_timings_account_for_every_step(llama_dir):
     assert timings.device > 0
     assert "ms" in timings.summary()
     # by kind of step: the prompt steps and the decode steps (two rows), every model step counted once
-    assert set(timings.by_class) == {"prompt", "decode, <= 8 rows"}
+    assert set(timings.by_class) == {"prompt/verification", "decode, <= 8 rows"}
     assert sum(steps for steps, _ in timings.by_class.values()) == timings.steps
     total = sum(getattr(timings, p) for p in ("schedule", "prepare", "device", "post"))
     assert sum(seconds for _, seconds in timings.by_class.values()) == pytest.approx(total)
-    assert timings.class_summary()[0].startswith("prompt: ")
+    assert timings.class_summary()[0].startswith("prompt/verification: ")
 
 
 def test_a_step_is_classed_by_its_tokens_and_rows():
-    assert step_class(3, 40) == "prompt" and step_class(1, 2) == "prompt"  # a prompt chunk, a verification
+    assert step_class(3, 40) == step_class(1, 2) == "prompt/verification"  # a prompt chunk, a verification
     assert step_class(1, 1) == "decode, 1 row" and step_class(2, 2) == "decode, <= 8 rows"
     assert step_class(33, 33) == "decode, <= 64 rows" and step_class(300, 300) == "decode, > 256 rows"
 
