@@ -3,7 +3,10 @@ and by kind of step (prompt or decode, and how many rows)."""
 import dataclasses
 
 PARTS = ("schedule", "prepare", "device", "post")
-ROW_CLASSES = (1, 8, 16, 32, 64, 128, 256)  # decode steps by their most rows, as the CPU kernels class them
+ROW_CLASSES = (1, 8, 16, 32, 64, 128, 256)  # decode steps by their most rows: the CPU matmul's classes, 9-16 one of its own
+# every kind of step, in the order the breakdown lists them
+KINDS = ("prompt/verification", "decode, 1 row", *(f"decode, <= {n} rows" for n in ROW_CLASSES[1:]),
+         f"decode, > {ROW_CLASSES[-1]} rows")
 
 
 def step_class(rows: int, tokens: int) -> str:
@@ -11,11 +14,8 @@ def step_class(rows: int, tokens: int) -> str:
     where some sequence runs more than one token (a prompt chunk, or proposed tokens verified),
     else "decode, <= N rows" for the least N of `ROW_CLASSES` that holds its rows ("decode, 1 row")."""
     if tokens > rows:
-        return "prompt/verification"
-    most = next((n for n in ROW_CLASSES if rows <= n), None)
-    if most == 1:
-        return "decode, 1 row"
-    return f"decode, <= {most} rows" if most else f"decode, > {ROW_CLASSES[-1]} rows"
+        return KINDS[0]
+    return KINDS[1 + sum(rows > n for n in ROW_CLASSES)]
 
 
 @dataclasses.dataclass
@@ -61,11 +61,6 @@ class StepTimings:
         """One line per kind of step, prompt steps first, then decode steps by rows: model steps,
         ms per model step, seconds and share of all the steps' time."""
         total = sum(seconds for _, seconds in self.by_class.values()) or 1.0
-
-        def order(kind: str) -> tuple:
-            digits = "".join(c for c in kind if c.isdigit())
-            return (not kind.startswith("prompt"), ">" in kind, int(digits or 0))
-
         return [f"{kind}: {steps} model steps, {seconds / max(steps, 1) * 1e3:.1f} ms a step, {seconds:.2f} s "
                 f"({seconds / total:.1%})" for kind, (steps, seconds) in sorted(self.by_class.items(),
-                                                                             key=lambda kv: order(kv[0]))]
+                                                                             key=lambda kv: KINDS.index(kv[0]))]
