@@ -175,14 +175,15 @@ def _drive(engine):
 
 
 def single_stream(llm: LLM, prompts, peak: float) -> None:
-    """One request alone (the first 32 tokens of the second prompt, ``--single_stream`` greedy
-    tokens) after a warm-up on the first: the per-token speed a lone user sees."""
+    """One request alone (the first 32 tokens of the second prompt, or of the only one,
+    ``--single_stream`` greedy tokens) after a warm-up on the first: the per-token speed a lone
+    user sees."""
     params = SamplingParams(temperature=0.0, max_tokens=F.single_stream, ignore_eos=True)
     timings = llm.llm_engine.step_timings
     llm.generate([{"prompt_token_ids": prompts[0][:32]}], params, use_tqdm=False)
     timings.__init__()
     start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": prompts[1][:32]}], params, use_tqdm=False)
+    llm.generate([{"prompt_token_ids": prompts[min(1, len(prompts) - 1)][:32]}], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     gflops = matmul_flops(llm.llm_engine.model_config, 32 + F.single_stream, F.single_stream) / elapsed / 1e9
     print(f"single stream: {F.single_stream / elapsed:.1f} output tokens/s; matmuls {gflops:.1f} GFLOP/s = "
