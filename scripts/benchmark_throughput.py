@@ -175,15 +175,14 @@ def _drive(engine):
 
 
 def single_stream(llm: LLM, prompts, peak: float) -> None:
-    """One request alone (the first 32 tokens of the second prompt, or of the only one,
-    ``--single_stream`` greedy tokens) after a warm-up on the first: the per-token speed a lone
-    user sees."""
+    """One request alone (the first 32 tokens of the second prompt, ``--single_stream`` greedy
+    tokens) after a warm-up on the first: the per-token speed a lone user sees."""
     params = SamplingParams(temperature=0.0, max_tokens=F.single_stream, ignore_eos=True)
     timings = llm.llm_engine.step_timings
     llm.generate([{"prompt_token_ids": prompts[0][:32]}], params, use_tqdm=False)
     timings.__init__()
     start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": prompts[min(1, len(prompts) - 1)][:32]}], params, use_tqdm=False)
+    llm.generate([{"prompt_token_ids": prompts[1][:32]}], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     gflops = matmul_flops(llm.llm_engine.model_config, 32 + F.single_stream, F.single_stream) / elapsed / 1e9
     print(f"single stream: {F.single_stream / elapsed:.1f} output tokens/s; matmuls {gflops:.1f} GFLOP/s = "
@@ -236,6 +235,9 @@ def main(argv):
             raise app.UsageError(f"--allocator: {a!r} is not one of {ALLOCATORS}")
     if (F.n > 1 or F.beam_width) and F.allocator != ["paged"]:
         raise app.UsageError("--n / --beam_width measure block sharing: run them with --allocator paged")
+    if F.single_stream and F.num_requests is not None and F.num_requests < 2:
+        raise app.UsageError("--single_stream needs --num_requests >= 2: the first prompt warms up, the "
+                             "second is timed (one prompt twice would find its blocks in the prefix cache)")
     peak = describe_machine()
     bandwidth = memory_bandwidth_gbs()
     print(f"memory: {bandwidth:.1f} GB/s (XLA's matrix-vector product reading 1 GiB, best of 5, measured now)", flush=True)

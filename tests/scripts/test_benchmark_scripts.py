@@ -31,6 +31,13 @@ def test_throughput_allocators_and_sharing(llama_dir):
     assert "sharing on / off (paged)" in out
 
 
+def test_single_stream_with_one_request_is_refused_before_any_work():
+    result = run_script("benchmark_throughput.py", "--single_stream=8", "--num_requests=1")
+    assert result.returncode != 0
+    assert "--single_stream needs --num_requests >= 2" in result.stderr
+    assert "GEMM peak" not in result.stdout  # refused before measuring the machine
+
+
 def test_roofline_reads_every_weight_per_step_and_the_context_per_generated_token():
     """The benchmark's roofline: the matmuls' FLOPs at the GEMM peak or the memory floor (each model
     step reads every weight, each generated token the KV cache of its context) at the bandwidth,
