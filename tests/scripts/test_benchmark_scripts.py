@@ -1,11 +1,13 @@
 """The benchmark scripts run end to end on a tiny model (smoke tests: no timing asserted), and their
 workloads and bench model come from the project itself."""
+import os
+import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from run_script import SCRIPTS, run_script
+from run_script import REPO_ROOT, SCRIPTS, run_script
 
 sys.path.insert(0, SCRIPTS)
 import bench_common  # noqa: E402
@@ -99,26 +101,34 @@ def test_fixed_workload_and_length_scale():
         workloads.make_workload("nope", 100)
 
 
-def test_bench_model_is_built_without_torch_and_loads(tmp_path, monkeypatch):
-    """bench-llama's config, and a small model built the same way loads and generates in the engine
-    (its tensor names are save_pretrained's; transformers loads the full one with no missing keys)."""
-    sys.path.insert(0, SCRIPTS)
-    try:
-        import bench_common
-    finally:
-        sys.path.remove(SCRIPTS)
-    from jpaged import LLM, SamplingParams
+WITHOUT_TORCH = """
+import sys
+sys.modules["torch"] = None  # importing torch fails, as where it is not installed
+sys.path.insert(0, sys.argv[2])
+import bench_common
+from jpaged import LLM, SamplingParams
+path = bench_common.make_bench_model(sys.argv[1], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, vocab_size=300)
+out = LLM(path, num_kv_blocks=16, max_model_len=64).generate(
+    [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+print("generated", len(out[0].outputs[0].token_ids))
+"""
 
+
+def test_bench_model_is_built_without_torch_and_loads(tmp_path):
+    """bench-llama's config, and a small model built the same way loads and generates in the engine
+    (its tensor names are save_pretrained's; transformers loads the full one with no missing keys).
+    The build runs in a process of its own where torch cannot be imported: hiding torch in this one
+    would leave transformers believing it absent for the tests that follow."""
     assert {k: bench_common.BENCH_LLAMA[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                                     "num_attention_heads", "num_key_value_heads", "vocab_size")} \
         == dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=6, num_attention_heads=8,
                 num_key_value_heads=2, vocab_size=32000)
-    monkeypatch.setitem(sys.modules, "torch", None)  # importing torch would fail
-    path = bench_common.make_bench_model(str(tmp_path / "small"), hidden_size=64, intermediate_size=128,
-                                         num_hidden_layers=2, num_attention_heads=4, vocab_size=300)
-    llm = LLM(path, num_kv_blocks=16, max_model_len=64)
-    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 4
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p))
+    result = subprocess.run([sys.executable, "-c", WITHOUT_TORCH, str(tmp_path / "small"), SCRIPTS],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "generated 4" in result.stdout
 
 
 def test_speculative_benchmark_runs(llama_dir):
