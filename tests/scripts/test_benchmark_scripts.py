@@ -1,13 +1,11 @@
 """The benchmark scripts run end to end on a tiny model (smoke tests: no timing asserted), and their
 workloads and bench model come from the project itself."""
-import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from run_script import REPO_ROOT, SCRIPTS, run_script
+from run_script import SCRIPTS, run_python, run_script
 
 sys.path.insert(0, SCRIPTS)
 import bench_common  # noqa: E402
@@ -124,9 +122,7 @@ def test_bench_model_is_built_without_torch_and_loads(tmp_path):
                                                     "num_attention_heads", "num_key_value_heads", "vocab_size")} \
         == dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=6, num_attention_heads=8,
                 num_key_value_heads=2, vocab_size=32000)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p))
-    result = subprocess.run([sys.executable, "-c", WITHOUT_TORCH, str(tmp_path / "small"), SCRIPTS],
-                            capture_output=True, text=True, timeout=300, env=env)
+    result = run_python("-c", WITHOUT_TORCH, str(tmp_path / "small"), SCRIPTS)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "generated 4" in result.stdout
 
