@@ -16,7 +16,7 @@
 //   g++ -O3 -march=native -mprefer-vector-width=512 -fopenmp-simd -ffast-math -fno-finite-math-only -std=c++17
 //       -I "$(python -c 'import jax; print(jax.ffi.include_dir())')"
 //       scripts/benchmark_attention_loop.cc -o /tmp/attention_loop -lpthread     (one command)
-//   /tmp/attention_loop rows context [pool_blocks]    # e.g. /tmp/attention_loop 128 512 40000
+//   /tmp/attention_loop rows context [pool_blocks [random|in-order]]   # e.g. /tmp/attention_loop 128 512 40000
 #include "../pallas_kernels/cpu/paged_attention.cc"
 
 #include <algorithm>
@@ -25,6 +25,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -74,12 +75,17 @@ double TwoThreads(int64_t total, const Row& row) {
 
 int main(int argc, char** argv) {
   if (argc < 3) {
-    std::fprintf(stderr, "usage: %s rows context [pool_blocks]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s rows context [pool_blocks [random|in-order]]\n", argv[0]);
     return 2;
   }
   const int64_t rows = std::atoll(argv[1]), ctx = std::atoll(argv[2]) / kBS * kBS;
   const int64_t pool = argc > 3 ? std::atoll(argv[3]) : 40000, blocks = ctx / kBS;
   const int64_t per_call = rows * blocks, calls = pool / per_call;
+  const std::string order = argc > 4 ? argv[4] : "random";
+  if (order != "random" && order != "in-order") {
+    std::fprintf(stderr, "order must be random or in-order, not %s\n", order.c_str());
+    return 2;
+  }
   if (blocks < 1 || calls < 2) {
     std::fprintf(stderr, "pool_blocks must hold two calls' blocks (rows * context / 16 each)\n");
     return 2;
@@ -90,7 +96,7 @@ int main(int argc, char** argv) {
   for (auto* x : {&k, &v, &q}) for (float& f : *x) f = normal(rng);
   std::vector<int32_t> cold(pool), hot(per_call);
   for (int64_t i = 0; i < pool; ++i) cold[i] = static_cast<int32_t>(i);
-  std::shuffle(cold.begin(), cold.end(), rng);
+  if (order == "random") std::shuffle(cold.begin(), cold.end(), rng);
   for (int64_t i = 0; i < per_call; ++i) hot[i] = cold[i] % 16;
   const double bytes = per_call * kHkv * 2.0 * kBS * kD * sizeof(float);
 
@@ -146,8 +152,9 @@ int main(int argc, char** argv) {
       }
     }
   }
-  std::printf("rows %lld, context %lld, pool %lld blocks: %.1f MB of keys and values a call\n",
-              static_cast<long long>(rows), static_cast<long long>(ctx), static_cast<long long>(pool), bytes / 1e6);
+  std::printf("rows %lld, context %lld, pool %lld blocks, %s: %.1f MB of keys and values a call\n",
+              static_cast<long long>(rows), static_cast<long long>(ctx), static_cast<long long>(pool), order.c_str(),
+              bytes / 1e6);
   std::printf("kernel largest difference from the reference: %.2e\n", worst);
   std::printf("kernel cold: %.1f GB/s\n", rate(attend, true));
   std::printf("kernel hot: %.1f GB/s\n", rate(attend, false));

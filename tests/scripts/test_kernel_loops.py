@@ -35,8 +35,10 @@ def run(binary: str, *args) -> str:
     return subprocess.run([binary, *map(str, args)], check=True, capture_output=True, text=True, timeout=120).stdout
 
 
-def test_attention_loop_matches_its_reference(build):
-    out = run(build("benchmark_attention_loop"), 4, 64, 64)
+@pytest.mark.parametrize("order", [(), ("random",), ("in-order",)])
+def test_attention_loop_matches_its_reference(build, order):
+    out = run(build("benchmark_attention_loop"), 4, 64, 64, *order)
+    assert f"{order[0] if order else 'random'}: " in out, out
     assert float(re.search(r"largest difference from the reference: (\S+)", out).group(1)) < 1e-5
     rates = re.findall(r"^(kernel cold|kernel hot|read cold, .*): ([0-9.]+) GB/s$", out, re.M)
     assert len(rates) == 4 and all(float(r) > 0 for _, r in rates), out
@@ -45,6 +47,12 @@ def test_attention_loop_matches_its_reference(build):
 def test_attention_loop_rejects_a_pool_too_small(build):
     result = subprocess.run([build("benchmark_attention_loop"), "8", "512", "100"], capture_output=True, text=True)
     assert result.returncode == 2 and "pool_blocks" in result.stderr
+
+
+def test_attention_loop_rejects_an_unknown_order(build):
+    result = subprocess.run([build("benchmark_attention_loop"), "4", "64", "64", "sideways"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "random or in-order, not sideways" in result.stderr
 
 
 @pytest.mark.parametrize("args", [(32, 64, 256, 2), (8, 64, 256, 2, 4, "t"), (32, 64, 256, 2, 1, "p", 2)])
