@@ -365,7 +365,8 @@ void PackedPanels(const float* x, const float* w, int64_t M, int64_t K, int64_t 
 }
 
 // out_i[M, N_i] = x[M, K] @ w_i for weights packed [N_i / kPackedPanel, K, kPackedPanel]: MatmulImpl
-// for packed weights, the work items runs of neighbouring packed panels (contiguous memory).
+// for packed weights, the work items runs of neighbouring packed panels (contiguous memory), the
+// last few one-panel items split by rows where they would leave a worker idle.
 ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs weights,
                             ffi::RemainingRets outs) {
   const auto xd = x.dimensions();
@@ -392,19 +393,32 @@ ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
     ws.push_back({w->typed_data(), (*out)->typed_data(), w->dimensions()[0]});
     total_panels += ws.back().panels;
   }
-  const int64_t target = kItemsPerWorker * jpaged::Workers(pool);
+  const int64_t workers = jpaged::Workers(pool), target = kItemsPerWorker * workers;
   const int64_t per_item = std::clamp<int64_t>(total_panels / target, 1, kItemPanels * kPanel / kPackedPanel);
   struct Item {
-    int64_t weight, p0, p1;  // packed panels [p0, p1)
+    int64_t weight, p0, p1, m0, m1;  // packed panels [p0, p1) for rows [m0, m1)
   };
   std::vector<Item> items;
   for (int64_t i = 0; i < static_cast<int64_t>(ws.size()); ++i) {
-    for (int64_t p = 0; p < ws[i].panels; p += per_item) items.push_back({i, p, std::min(ws[i].panels, p + per_item)});
+    for (int64_t p = 0; p < ws[i].panels; p += per_item) items.push_back({i, p, std::min(ws[i].panels, p + per_item), 0, M});
+  }
+  // One-panel items that do not share out evenly (SmolLM2's 576 columns, 9 panels, on 2 workers: 5
+  // and 4) are split by rows among all the workers instead, where each part keeps a whole register
+  // block. Each row's sums are the same whichever part computes them.
+  const int64_t extra = static_cast<int64_t>(items.size()) % workers;
+  if (per_item == 1 && extra > 0 && M >= workers * kRows) {
+    std::vector<Item> last(items.end() - extra, items.end());
+    items.resize(items.size() - extra);
+    for (const Item& item : last) {
+      for (int64_t j = 0; j < workers; ++j) items.push_back({item.weight, item.p0, item.p1, M * j / workers, M * (j + 1) / workers});
+    }
   }
   const float* xp = x.typed_data();
   jpaged::ParallelFor(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
-    const Weight& w = ws[items[i].weight];
-    PackedPanels(xp, w.w, M, K, w.panels * kPackedPanel, items[i].p0, items[i].p1, w.out);
+    const Item& item = items[i];
+    const Weight& w = ws[item.weight];
+    const int64_t N = w.panels * kPackedPanel;
+    PackedPanels(xp + item.m0 * K, w.w, item.m1 - item.m0, K, N, item.p0, item.p1, w.out + item.m0 * N);
   });
   return ffi::Error::Success();
 }

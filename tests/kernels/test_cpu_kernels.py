@@ -279,11 +279,13 @@ def test_matmuls_of_several_weights_in_one_call(rows):
 
 
 @pytest.mark.parametrize("m,k,ns", [(1, 64, (64,)), (5, 100, (128, 64)), (7, 576, (576, 192, 192)),
-                                    (32, 96, (256, 64)), (64, 33, (192,)), (40, 1536, (576,))])
+                                    (32, 96, (256, 64)), (64, 33, (192,)), (40, 1536, (576,)),
+                                    (16, 576, (576,)), (32, 576, (576, 192, 192)), (13, 96, (64, 64, 64))])
 def test_packed_weights_give_the_same_sums(m, k, ns):
     """`matmuls_packed` on `pack_weight`'s copies ``[N / 64, K, 64]``: x @ w for each weight in one
     call, bit for bit the sums of `matmuls` where both run the panel loop (more rows than FewRows
-    takes, which only AVX2 builds have: up to 6)."""
+    takes, which only AVX2 builds have: up to 6); also where an odd panel count on two workers has
+    its last panel split by rows (9, 15 and 3 panels at 12 or more rows)."""
     rng = np.random.default_rng(m)
     x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
     ws = [jnp.asarray(rng.standard_normal((k, n)).astype(np.float32)) for n in ns]
