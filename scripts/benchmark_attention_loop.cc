@@ -2,7 +2,8 @@
 // AttendRow otherwise) on two threads without XLA, against loops that only read the same blocks:
 // how near the kernel comes to what this machine's memory gives for its access pattern. SmolLM2's
 // heads (9 query and 3 KV heads of 64 dims), blocks of 16 tokens: per block and KV head a key page
-// and a value page of 4 KiB, at random places in the pool.
+// and a value page of 4 KiB, at random places in the pool (`random`, the default) or each row's
+// blocks side by side (`in-order`, as a prompt's blocks come off the engine's free queue).
 //
 // Prints GB/s of keys and values read (the mean of the calls after the first round):
 //   kernel cold       every call's blocks fresh from a pool of `pool_blocks` blocks (not in cache)
