@@ -16,9 +16,12 @@ kernel only where it takes at most `MARGIN` of XLA's time. Shape classes:
   (compiling XLA's path for it takes seconds: the price of a first use).
 
 A measurement can be disturbed by other work on the machine. One taken while the machine was busy
-(`busy`: the load average above the usable cores) or whose repeats disagree (`noise`: a path's
+(`busy`: the load average above the usable cores), whose repeats disagree (`disturbed`: a path's
 slowest run more than `SPREAD` above its fastest) without a clear margin (every run of one path
-beating every run of the other by `MARGIN`) is **provisional**: it serves this process, and the
+beating every run of the other by `MARGIN`), or out of line with the row classes measured beside it
+(`out_of_line`: a path slower than at more rows, or a choice unlike both its neighbours' where
+they agree: other work can slow all the repeats of one class alike) is **provisional**: it serves
+this process, and the
 next process to need it measures again. A quiet measurement replaces a provisional one; a
 disturbed one is merged with it (each path's least time: other work only adds time), and after
 `MAX_MEASUREMENTS` disturbed ones the merged times decide for good.
@@ -131,8 +134,8 @@ def _decide(group: str, batch: list, key: str, measure) -> bool:
                 logger.warning("measuring the C++ CPU kernel for %s failed (%s): XLA's path serves", group, error)
                 entries.update({k: {"cpp": False, "cpp_ms": None, "xla_ms": None} for k in batch})
                 return False
-            why_busy = busy_before or busy()
-            kept = {k: merged(entries.get(k), runs, why_busy) for k, runs in new.items()}
+            why_busy, suspects = busy_before or busy(), out_of_line(new)
+            kept = {k: merged(entries.get(k), runs, why_busy or suspects.get(k, "")) for k, runs in new.items()}
             entries.update(kept)
             _measured.update(kept)
             _save(kept)
@@ -146,23 +149,43 @@ def _entry(cpp_s: float, xla_s: float) -> dict:
     return {"cpp": cpp_s <= MARGIN * xla_s, "cpp_ms": cpp_s * 1e3, "xla_ms": xla_s * 1e3}
 
 
-def disturbed(cpp_runs: list, xla_runs: list, why_busy: str = "") -> str:
-    """Why one measurement (each path's run times) cannot decide for good ("" when it can): taken
-    on a busy machine, or repeats that disagree where the margin is not clear either way."""
-    if why_busy:
-        return why_busy
+def out_of_line(batch: dict) -> dict:
+    """Why classes measured together cannot decide for good, seen by comparing them: ``batch`` maps
+    each key, in order of rows, to its (C++ run times, XLA run times). More rows cannot take less
+    time, so a path slower (by more than `SPREAD`) than at a class of more rows was delayed; and a
+    choice unlike both its neighbours' where they agree is checked again. Returns ``{key: why}``."""
+    keys = list(batch)
+    least = [(min(cpp_runs), min(xla_runs)) for cpp_runs, xla_runs in batch.values()]
+    cpp = [c <= MARGIN * x for c, x in least]
+    why = {}
+    for i, key in enumerate(keys):
+        for path, name in enumerate(("C++", "XLA")):
+            more = next((j for j in range(i + 1, len(keys)) if least[i][path] > (1 + SPREAD) * least[j][path]), None)
+            if more is not None:
+                why[key] = f"{name} slower than at {keys[more].rsplit(' ', 1)[-1]}"
+        if 0 < i < len(keys) - 1 and cpp[i - 1] == cpp[i + 1] != cpp[i] and key not in why:
+            why[key] = f"{'C++' if cpp[i] else 'XLA'} chosen between classes that chose {'XLA' if cpp[i] else 'C++'}"
+    return why
+
+
+def disturbed(cpp_runs: list, xla_runs: list, why_suspect: str = "") -> str:
+    """Why one measurement (each path's run times) cannot decide for good ("" when it can): a reason
+    seen outside its repeats (``why_suspect``: a busy machine, `out_of_line`), or repeats that
+    disagree where the margin is not clear either way."""
+    if why_suspect:
+        return why_suspect
     spread = max(max(runs) / min(runs) - 1 for runs in (cpp_runs, xla_runs))
     clear = max(cpp_runs) <= MARGIN * min(xla_runs) or min(cpp_runs) > MARGIN * max(xla_runs)
     return f"repeats {spread:.0%} apart" if spread > SPREAD and not clear else ""
 
 
-def merged(old: dict | None, runs: tuple, why_busy: str = "") -> dict:
+def merged(old: dict | None, runs: tuple, why_suspect: str = "") -> dict:
     """The entry kept after a measurement (``runs``: the C++ kernel's and XLA's run times, seconds)
     of a class whose entry was ``old`` (None: new). A final entry stays unless the new one is final
     too; a provisional one is replaced by a final one, or merged with another disturbed one (the
     least time of each path), which decides for good at the `MAX_MEASUREMENTS`-th."""
     cpp_runs, xla_runs = runs
-    why = disturbed(cpp_runs, xla_runs, why_busy)
+    why = disturbed(cpp_runs, xla_runs, why_suspect)
     new = _entry(min(cpp_runs), min(xla_runs))
     if not why:
         return new

@@ -571,6 +571,46 @@ def test_a_disturbed_measurement_is_provisional_until_a_quiet_one(fresh_choices,
     assert measure.matmul(64, (96, 32), 20) is False and len(taken) == 2  # decided: not measured again
 
 
+def scaled(cpp_ms, xla_ms):
+    """Agreeing repeats of each path per row class, at the given least times (ms)."""
+    return [((c, c * 1.01, c * 1.02), (x, x * 1.01, x * 1.02)) for c, x in zip(cpp_ms, xla_ms)]
+
+
+# C++ wins every class by ~25% on a quiet machine (times grow with the rows).
+QUIET_CPP, QUIET_XLA = (0.1, 0.3, 0.6, 1.2, 2.4), (0.14, 0.4, 0.8, 1.6, 3.2)
+
+
+@pytest.mark.parametrize("cpp_ms, why", [
+    # other work slowed every C++ repeat of rows<=128 alike: 4x, more than at 256 rows
+    ((0.1, 0.3, 0.6, 4.8, 2.4), "C++ slower than at rows<=256"),
+    # ... or slowed C++ at rows<=32 by 1.7x, which flips the choice between two classes that chose C++
+    ((0.1, 0.51, 0.6, 1.2, 2.4), "XLA chosen between classes that chose C++"),
+])
+def test_a_class_out_of_line_with_its_neighbours_is_provisional(fresh_choices, monkeypatch, cpp_ms, why):
+    """Repeats that agree on a quiet machine can still all be slowed alike; a row class measured out
+    of line with the classes beside it (a path slower than at more rows, or a choice unlike both its
+    neighbours' that agree) is provisional, and the next start's quiet measurement decides it."""
+    import json
+    monkeypatch.setattr(measure, "load_average", lambda: 0.0)
+    disturbed = scaled(cpp_ms, QUIET_XLA)
+    odd = next(i for i, (a, b) in enumerate(zip(cpp_ms, QUIET_CPP)) if a != b)
+    taken = injected(monkeypatch, disturbed, scaled(QUIET_CPP, QUIET_XLA))
+    assert measure.out_of_line(dict(zip(MATMUL_KEYS, disturbed))) == {MATMUL_KEYS[odd]: why}
+    measure.matmul(64, (96, 32), CLASSES[odd])
+    saved = json.loads(fresh_choices.read_text())[measure.context()]
+    assert saved[MATMUL_KEYS[odd]]["provisional"] and saved[MATMUL_KEYS[odd]]["why"] == why
+    assert not any(saved[k].get("provisional") for k in MATMUL_KEYS if k != MATMUL_KEYS[odd])
+
+    new_start()  # the next process to need that class measures again
+    measure.matmul(64, (96, 32), CLASSES[odd])
+    saved = json.loads(fresh_choices.read_text())[measure.context()]
+    assert len(taken) == 2 and saved[MATMUL_KEYS[odd]] == {"cpp": True, "cpp_ms": QUIET_CPP[odd],
+                                                           "xla_ms": QUIET_XLA[odd]}
+    assert measure.out_of_line(dict(zip(MATMUL_KEYS, scaled(QUIET_CPP, QUIET_XLA)))) == {}
+    # a crossover (C++ below, XLA above some rows) is in line
+    assert measure.out_of_line(dict(zip(MATMUL_KEYS, scaled(QUIET_CPP, (0.14, 0.4, 0.6, 1.1, 2.2))))) == {}
+
+
 def test_a_busy_machine_decides_only_after_repeated_measurements(fresh_choices, monkeypatch):
     """On a busy machine (load above the cores) even agreeing repeats are provisional; a later quiet
     start still replaces them, and a machine busy at every start decides on the least times of
@@ -593,7 +633,7 @@ def test_a_busy_machine_decides_only_after_repeated_measurements(fresh_choices, 
 
     assert measure.disturbed([1.0, 1.6], [2.0, 2.5]) == ""  # every C++ run beats every XLA run
     assert measure.disturbed([1.0, 1.6], [1.5, 2.5]) == "repeats 67% apart"
-    assert measure.disturbed([1.0, 1.01], [1.5, 1.5], why_busy="load 7.0 on 2 cores") == "load 7.0 on 2 cores"
+    assert measure.disturbed([1.0, 1.01], [1.5, 1.5], why_suspect="load 7.0 on 2 cores") == "load 7.0 on 2 cores"
 
 
 def test_runs_follows_the_choice_and_the_environment_overrides_it(fresh_choices, monkeypatch):
