@@ -45,6 +45,7 @@ constexpr int64_t kCopyBlocks = 0;            // never copied
 constexpr int64_t kShortBlocks = 3, kShortChunk = 32;  // 8 KiB of a panel
 constexpr bool kSpreadNarrow = true;          // spread the rows in narrow items too
 constexpr bool kSpreadPrefetch = true;        // the next piece's prefetches spread over the piece
+constexpr int64_t kPackedChunk = 1024;        // a packed weight's pieces past kShortBlocks blocks (256 KiB)
 #else
 constexpr int64_t kVecs = 2, kRows = 6;
 constexpr int64_t kFewRows = kRows;           // one block or less: FewRows
@@ -52,6 +53,7 @@ constexpr int64_t kCopyBlocks = 4;            // row blocks from which a piece i
 constexpr int64_t kShortBlocks = 2, kShortChunk = 64;  // 4 KiB of a panel
 constexpr bool kSpreadNarrow = false;
 constexpr bool kSpreadPrefetch = false;       // a row of it each step from the first (measured faster)
+constexpr int64_t kPackedChunk = 64;          // 16 KiB of a packed panel
 #endif
 constexpr int64_t kPanel = kVecs * kLanes;    // columns per panel
 constexpr int64_t kItemPanels = 32;           // most panels per work item (longer runs of each weight row)
@@ -334,7 +336,9 @@ constexpr int64_t kPackedPanel = 64;
 static_assert(kPackedPanel % kPanel == 0, "a packed panel holds whole panels");
 
 // Panels [p0, p1) of a packed weight w [P, K, kPackedPanel] for every row, in memory order: each
-// panel from its first row to its last, a piece (chunk rows) at a time, the next piece (the next
+// panel from its first row to its last, a piece (kShortChunk rows with at most kShortBlocks blocks,
+// else kPackedChunk: with AVX-512 a whole panel of up to 1,024 rows, the blocks after the first
+// reading it from L2, measured faster from 24 rows on) at a time, the next piece (the next
 // rows of memory, into the next panel at a panel's end) prefetched into L2 by the row blocks, each
 // its share, as Panels does. Where kPanel is narrower than a packed panel, each piece is passed
 // once per kPanel columns (ldw kPackedPanel). Sums in the same order as Panels: the same results.
@@ -342,7 +346,7 @@ void PackedPanels(const float* x, const float* w, int64_t M, int64_t K, int64_t 
                   float* out) {
   const int64_t blocks = (M + kRows - 1) / kRows;
   const bool spread = M >= (kRows - 1) * blocks;
-  const int64_t chunk = blocks <= kShortBlocks ? kShortChunk : kNarrowChunk;
+  const int64_t chunk = blocks <= kShortBlocks ? kShortChunk : kPackedChunk;
   const float* end = w + p1 * K * kPackedPanel;
   for (int64_t p = p0; p < p1; ++p) {
     for (int64_t k0 = 0; k0 < K; k0 += chunk) {
