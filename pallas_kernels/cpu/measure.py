@@ -145,8 +145,12 @@ def _decide(group: str, batch: list, key: str, measure) -> bool:
         return entries[key]["cpp"]
 
 
+def _cpp_wins(cpp_s: float, xla_s: float) -> bool:
+    return cpp_s <= MARGIN * xla_s
+
+
 def _entry(cpp_s: float, xla_s: float) -> dict:
-    return {"cpp": cpp_s <= MARGIN * xla_s, "cpp_ms": cpp_s * 1e3, "xla_ms": xla_s * 1e3}
+    return {"cpp": _cpp_wins(cpp_s, xla_s), "cpp_ms": cpp_s * 1e3, "xla_ms": xla_s * 1e3}
 
 
 def out_of_line(batch: dict) -> dict:
@@ -156,7 +160,7 @@ def out_of_line(batch: dict) -> dict:
     choice unlike both its neighbours' where they agree is checked again. Returns ``{key: why}``."""
     keys = list(batch)
     least = [(min(cpp_runs), min(xla_runs)) for cpp_runs, xla_runs in batch.values()]
-    cpp = [c <= MARGIN * x for c, x in least]
+    cpp = [_cpp_wins(c, x) for c, x in least]
     why = {}
     for i, key in enumerate(keys):
         for path, name in enumerate(("C++", "XLA")):
